@@ -1,0 +1,204 @@
+//! Training configuration: ART's knobs, with ART's defaults unless noted.
+
+use serde::{Deserialize, Serialize};
+
+/// How importance ratios between the trainer's and the sampler's probabilities are formed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ImportanceSamplingLevel {
+    /// One ratio per token (PPO/GRPO).
+    #[default]
+    Token,
+    /// One ratio per sequence: the geometric mean of its token ratios (GSPO).
+    Sequence,
+}
+
+/// The LoRA adapter trained on top of the frozen base model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LoraConfig {
+    pub rank: usize,
+    /// Scale of the update is `alpha / rank`.
+    pub alpha: f64,
+    pub dropout: f64,
+    /// Linear layers that get an adapter, by their PEFT names.
+    pub target_modules: Vec<String>,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        LoraConfig {
+            rank: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            target_modules: [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ]
+            .map(String::from)
+            .to_vec(),
+        }
+    }
+}
+
+/// One GRPO step's settings. Every field has a default, so
+/// `TrainConfig { learning_rate: 1e-5, ..Default::default() }` is the usual way to write one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TrainConfig {
+    /// AdamW learning rate. ART's default 5e-6 suits large models; tiny models learn faster with more.
+    pub learning_rate: f64,
+    /// Weight of the k3 KL penalty to the base model (0 = no reference forward pass).
+    pub beta: f64,
+    /// Lower clip of the importance ratio: ratios below `1 - epsilon` stop giving gradient.
+    pub epsilon: f64,
+    /// Upper clip (`1 + epsilon_high`); `None` means the same as `epsilon`.
+    pub epsilon_high: Option<f64>,
+    /// Divide advantages by the group's reward std (GRPO); when false only the mean is removed (Dr. GRPO).
+    pub scale_rewards: bool,
+    pub importance_sampling_level: ImportanceSamplingLevel,
+    /// Clip the global gradient norm to this value; `None` disables clipping.
+    pub max_grad_norm: Option<f64>,
+    /// AdamW weight decay.
+    pub weight_decay: f64,
+    /// Normalise each sequence's loss by its own number of trainable tokens (true), or every token
+    /// by the batch's total (false, "token-level" as in DAPO).
+    pub normalize_by_sequence_length: bool,
+    /// Upper bound on the tokens in one forward/backward micro-batch; larger steps accumulate
+    /// gradients over several.
+    pub micro_batch_tokens: usize,
+    pub lora: LoraConfig,
+    /// Train on choices that came without logprobs (the ratio is then taken as 1).
+    pub allow_training_without_logprobs: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            learning_rate: 5e-6,
+            beta: 0.0,
+            epsilon: 0.2,
+            epsilon_high: None,
+            scale_rewards: true,
+            importance_sampling_level: ImportanceSamplingLevel::Token,
+            max_grad_norm: Some(1.0),
+            weight_decay: 0.0,
+            normalize_by_sequence_length: false,
+            micro_batch_tokens: 4096,
+            lora: LoraConfig::default(),
+            allow_training_without_logprobs: false,
+        }
+    }
+}
+
+/// A setting outside its allowed range.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid training config: {field} = {value} ({expected})")]
+pub struct InvalidConfig {
+    pub field: &'static str,
+    pub value: String,
+    pub expected: &'static str,
+}
+
+impl TrainConfig {
+    /// The upper clip actually used.
+    pub fn epsilon_high(&self) -> f64 {
+        self.epsilon_high.unwrap_or(self.epsilon)
+    }
+
+    /// Checks every setting, so that a bad value fails before any work is done.
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
+        fn check(
+            ok: bool,
+            field: &'static str,
+            value: impl ToString,
+            expected: &'static str,
+        ) -> Result<(), InvalidConfig> {
+            if ok {
+                Ok(())
+            } else {
+                Err(InvalidConfig {
+                    field,
+                    value: value.to_string(),
+                    expected,
+                })
+            }
+        }
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        let non_negative = |x: f64| x.is_finite() && x >= 0.0;
+        check(
+            positive(self.learning_rate),
+            "learning_rate",
+            self.learning_rate,
+            "a finite number > 0",
+        )?;
+        check(
+            non_negative(self.beta),
+            "beta",
+            self.beta,
+            "a finite number >= 0",
+        )?;
+        check(
+            non_negative(self.epsilon),
+            "epsilon",
+            self.epsilon,
+            "a finite number >= 0",
+        )?;
+        check(
+            non_negative(self.epsilon_high()),
+            "epsilon_high",
+            self.epsilon_high(),
+            "a finite number >= 0",
+        )?;
+        if let Some(norm) = self.max_grad_norm {
+            check(
+                positive(norm),
+                "max_grad_norm",
+                norm,
+                "a finite number > 0, or null",
+            )?;
+        }
+        check(
+            non_negative(self.weight_decay),
+            "weight_decay",
+            self.weight_decay,
+            "a finite number >= 0",
+        )?;
+        check(
+            self.micro_batch_tokens > 0,
+            "micro_batch_tokens",
+            self.micro_batch_tokens,
+            "at least 1",
+        )?;
+        check(
+            self.lora.rank > 0,
+            "lora.rank",
+            self.lora.rank,
+            "at least 1",
+        )?;
+        check(
+            positive(self.lora.alpha),
+            "lora.alpha",
+            self.lora.alpha,
+            "a finite number > 0",
+        )?;
+        check(
+            (0.0..1.0).contains(&self.lora.dropout),
+            "lora.dropout",
+            self.lora.dropout,
+            "in [0, 1)",
+        )?;
+        check(
+            !self.lora.target_modules.is_empty(),
+            "lora.target_modules",
+            "[]",
+            "at least one module",
+        )?;
+        Ok(())
+    }
+}

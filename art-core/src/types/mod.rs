@@ -1,0 +1,17 @@
+//! The core data types, serde-compatible with OpenAI's chat API and OpenPipe ART's JSON.
+
+mod choice;
+mod config;
+mod message;
+mod trajectory;
+
+pub use choice::{Choice, ChoiceLogprobs, TokenLogprob, TopLogprob};
+pub use config::{ImportanceSamplingLevel, InvalidConfig, LoraConfig, TrainConfig};
+pub use message::{
+    AssistantMessage, Content, ContentPart, FunctionCall, FunctionDefinition, ImageUrl, Message,
+    SystemMessage, Tool, ToolCall, ToolMessage, UserMessage,
+};
+pub use trajectory::{
+    History, MessageOrChoice, MetadataValue, MetricValue, RolloutException, Trajectory,
+    TrajectoryGroup,
+};
