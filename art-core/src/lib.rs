@@ -4,6 +4,11 @@
 //! trainer and server sit behind the `engine`, `train` and `server` features so that notebook cells
 //! link only what they need.
 
+pub mod gather;
 pub mod types;
 
+pub use gather::{
+    gather_trajectory_groups, GatherError, GatherOptions, GatherProgress, MaxExceptions,
+    PendingGroup,
+};
 pub use types::*;

@@ -20,6 +20,9 @@ pub struct Choice {
     /// The sampled token ids, in order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+    /// Fields this crate does not model (provider extensions), kept so nothing is lost.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -44,6 +44,10 @@ pub struct AssistantMessage {
     pub refusal: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// Fields this crate does not model (`annotations`, `audio`, ...), kept so nothing is lost
+    /// when a response passes through.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -68,7 +68,7 @@ pub struct Trajectory {
     pub logs: Vec<String>,
     /// When the rollout began; `finish` turns it into the `duration` metric. Not serialized (as in ART).
     #[serde(skip, default = "Instant::now")]
-    start_time: Instant,
+    pub start_time: Instant,
 }
 
 impl PartialEq for Trajectory {
