@@ -4,11 +4,17 @@
 //! trainer and server sit behind the `engine`, `train` and `server` features so that notebook cells
 //! link only what they need.
 
+pub mod client;
 pub mod gather;
+pub mod ruler;
 pub mod types;
 
+pub use client::{ChatEndpoint, ClientError};
 pub use gather::{
     gather_trajectory_groups, GatherError, GatherOptions, GatherProgress, MaxExceptions,
     PendingGroup,
+};
+pub use ruler::{
+    ruler, ruler_score_group, JudgeUsage, RulerError, RulerOptions, RulerScore, RulerVerdict,
 };
 pub use types::*;

@@ -3,6 +3,7 @@
 mod choice;
 mod config;
 mod message;
+mod openai;
 mod trajectory;
 
 pub use choice::{Choice, ChoiceLogprobs, TokenLogprob, TopLogprob};
@@ -10,6 +11,9 @@ pub use config::{ImportanceSamplingLevel, InvalidConfig, LoraConfig, TrainConfig
 pub use message::{
     AssistantMessage, Content, ContentPart, FunctionCall, FunctionDefinition, ImageUrl, Message,
     SystemMessage, Tool, ToolCall, ToolMessage, UserMessage,
+};
+pub use openai::{
+    ChatCompletion, ChatCompletionRequest, JsonSchemaFormat, ResponseFormat, Stop, Usage,
 };
 pub use trajectory::{
     History, MessageOrChoice, MetadataValue, MetricValue, RolloutException, Trajectory,

@@ -1,0 +1,155 @@
+//! A client for any OpenAI-compatible chat endpoint (our backend, a local server, a provider),
+//! built on async-openai with our own request and response types, so that the token ids and
+//! logprobs our backend returns reach the caller intact.
+
+use std::time::Duration;
+
+use async_openai::config::OpenAIConfig;
+use async_openai::error::OpenAIError;
+
+use crate::types::{ChatCompletion, ChatCompletionRequest};
+
+/// Where to send chat completion requests: base URL (ending in `/v1`), API key, model name.
+#[derive(Clone)]
+pub struct ChatEndpoint {
+    base_url: String,
+    api_key: Option<String>,
+    model: String,
+    timeout: Duration,
+    client: async_openai::Client<OpenAIConfig>,
+}
+
+impl std::fmt::Debug for ChatEndpoint {
+    /// Leaves the API key out, so that it cannot end up in a notebook's output.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatEndpoint")
+            .field("base_url", &self.base_url)
+            .field("model", &self.model)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<set>"))
+            .finish()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("{url} answered HTTP {status}: {message}")]
+    Api {
+        url: String,
+        status: u16,
+        message: String,
+    },
+    #[error("could not reach {url}: {message}")]
+    Transport { url: String, message: String },
+    #[error("{url} sent a response that is not a chat completion: {message}")]
+    BadResponse { url: String, message: String },
+}
+
+impl ChatEndpoint {
+    /// An endpoint at `base_url` (for example `http://127.0.0.1:8000/v1`) serving `model`.
+    pub fn new(base_url: impl Into<String>, model: impl Into<String>) -> Self {
+        Self::build(
+            base_url.into().trim_end_matches('/').to_string(),
+            None,
+            model.into(),
+            Duration::from_secs(600),
+        )
+    }
+
+    /// The same endpoint, authenticating with this key (sent as a bearer token).
+    pub fn with_api_key(self, api_key: impl Into<String>) -> Self {
+        Self::build(
+            self.base_url,
+            Some(api_key.into()),
+            self.model,
+            self.timeout,
+        )
+    }
+
+    /// The same endpoint with another per-request timeout (default 10 minutes).
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        Self::build(self.base_url, self.api_key, self.model, timeout)
+    }
+
+    /// The same server, another model name (e.g. a newer checkpoint `name@step`).
+    pub fn with_model(&self, model: impl Into<String>) -> Self {
+        ChatEndpoint {
+            model: model.into(),
+            ..self.clone()
+        }
+    }
+
+    fn build(base_url: String, api_key: Option<String>, model: String, timeout: Duration) -> Self {
+        // async-openai sends an empty bearer token when no key is set; servers that need none ignore it.
+        let config = OpenAIConfig::new()
+            .with_api_base(&base_url)
+            .with_api_key(api_key.clone().unwrap_or_default());
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .build()
+            .expect("a reqwest client with a timeout builds");
+        let client = async_openai::Client::with_config(config).with_http_client(http);
+        ChatEndpoint {
+            base_url,
+            api_key,
+            model,
+            timeout,
+            client,
+        }
+    }
+
+    pub fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// An async-openai client bound to this endpoint, for code written against async-openai's types.
+    pub fn openai_client(&self) -> async_openai::Client<OpenAIConfig> {
+        self.client.clone()
+    }
+
+    /// Sends one (non-streaming) chat completion request. An empty `model` in the request is
+    /// filled with this endpoint's model.
+    pub async fn complete(
+        &self,
+        mut request: ChatCompletionRequest,
+    ) -> Result<ChatCompletion, ClientError> {
+        if request.model.is_empty() {
+            request.model = self.model.clone();
+        }
+        request.stream = None;
+        self.client
+            .chat()
+            .create_byot(request)
+            .await
+            .map_err(|error| self.describe(error))
+    }
+
+    fn describe(&self, error: OpenAIError) -> ClientError {
+        let url = format!("{}/chat/completions", self.base_url);
+        match error {
+            OpenAIError::ApiError(response) => ClientError::Api {
+                url,
+                status: response.status_code.as_u16(),
+                message: response.api_error.message,
+            },
+            OpenAIError::Reqwest(error) => ClientError::Transport {
+                url,
+                message: error.to_string(),
+            },
+            OpenAIError::JSONDeserialize(error, content) => {
+                let excerpt: String = content.chars().take(300).collect();
+                ClientError::BadResponse {
+                    url,
+                    message: format!("{error}; body starts: {excerpt}"),
+                }
+            }
+            other => ClientError::Transport {
+                url,
+                message: other.to_string(),
+            },
+        }
+    }
+}
