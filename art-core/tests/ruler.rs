@@ -62,7 +62,7 @@ fn tools_are_shown_and_prefixes_never_swallow_a_whole_trajectory() {
     let short = vec![Message::user("hi")];
     let long = vec![Message::user("hi"), Message::assistant("hello")];
     assert_eq!(common_prefix_len(&[short.clone(), long.clone()]), 0);
-    assert_eq!(common_prefix_len(&[long.clone()]), 0);
+    assert_eq!(common_prefix_len(std::slice::from_ref(&long)), 0);
     let prompt = judge_prompt(&[short, long], Some(&[tool]));
     assert!(prompt.contains("<tools>") && prompt.contains("Adds two numbers"));
 }
