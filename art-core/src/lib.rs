@@ -5,8 +5,14 @@
 //! link only what they need.
 
 pub mod client;
+#[cfg(feature = "frames")]
+pub mod frames;
 pub mod gather;
+#[cfg(feature = "plots")]
+pub mod plots;
 pub mod ruler;
+#[cfg(feature = "frames")]
+pub mod store;
 pub mod types;
 
 pub use client::{ChatEndpoint, ClientError};
@@ -18,3 +24,9 @@ pub use ruler::{
     ruler, ruler_score_group, JudgeUsage, RulerError, RulerOptions, RulerScore, RulerVerdict,
 };
 pub use types::*;
+#[cfg(feature = "frames")]
+pub use frames::{groups_frame, history_frame, DataFrame, FrameError};
+#[cfg(feature = "plots")]
+pub use plots::{Chart, PlotError};
+#[cfg(feature = "frames")]
+pub use store::{HistoryEntry, LoggedMetrics, MetricGoal, ModelStore, StoreError};

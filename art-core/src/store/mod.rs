@@ -1,0 +1,452 @@
+//! A model's directory, laid out as OpenPipe ART lays it out so that either can read the other's:
+//!
+//! ```text
+//! <art_dir>/<project>/models/<name>/
+//!   model.json                              name, project (and whatever the trainer adds)
+//!   history.jsonl                           one line per logged step and split
+//!   trajectories/<split>/<step:04>.parquet  one row per trajectory (see `frames`)
+//!   checkpoints/<step:04>/                  written by the trainer; listed and pruned here
+//! ```
+//!
+//! Every file is replaced atomically (temp file, fsync, rename), so a crash leaves the previous
+//! state readable. Writes from one process are serialized; two processes logging to the same
+//! model at once are not supported (as in ART).
+
+mod atomic;
+pub(crate) mod history;
+pub mod metrics;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use serde_json::{json, Value};
+
+use crate::frames::{self, DataFrame, FrameError};
+use crate::types::TrajectoryGroup;
+use atomic::{remove_stale_temps, write_atomic, FaultInjector, TEMP_PREFIX};
+pub use history::HistoryEntry;
+pub use metrics::batch_metrics;
+
+/// The directory ART uses when none is given (relative to the working directory).
+pub const DEFAULT_ART_DIR: &str = ".art";
+
+/// Serializes read-modify-write of history files within this process.
+static HISTORY_LOCK: Mutex<()> = Mutex::new(());
+
+/// What went wrong with a model's directory.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(
+        "{what} {value:?} cannot be a directory name: use a non-empty name without '/', '\\\\' \
+         or a leading '.'"
+    )]
+    InvalidName { what: &'static str, value: String },
+    #[error("could not {action} {path}: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    #[error("line {line} of {path} is not a history entry ({problem}); fix or delete that line")]
+    CorruptHistory {
+        path: PathBuf,
+        line: usize,
+        problem: String,
+    },
+    #[error("{path} is not valid JSON ({source}); fix or delete it")]
+    CorruptModelJson {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error(
+        "no metric {metric:?} in the history (logged: {available}); log it first or name one of \
+         those (with or without a `val/`/`train/` prefix)"
+    )]
+    MetricNotFound { metric: String, available: String },
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+}
+
+fn io_error<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> StoreError + 'a {
+    move |source| StoreError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Which way is better for the metric that picks the best checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MetricGoal {
+    /// Higher is better (rewards, accuracy).
+    #[default]
+    Maximize,
+    /// Lower is better (losses, error rates).
+    Minimize,
+}
+
+/// What [`ModelStore::log`] recorded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoggedMetrics {
+    /// The line appended to history.jsonl.
+    pub entry: HistoryEntry,
+    /// The parquet file the trajectories went to.
+    pub trajectories_path: PathBuf,
+}
+
+impl LoggedMetrics {
+    pub fn get(&self, metric: &str) -> Option<f64> {
+        self.entry.get(metric)
+    }
+}
+
+/// A model's directory under an ART directory.
+#[derive(Debug, Clone)]
+pub struct ModelStore {
+    dir: PathBuf,
+    project: String,
+    name: String,
+    faults: FaultInjector,
+}
+
+fn check_name(what: &'static str, value: &str) -> Result<(), StoreError> {
+    let bad = value.is_empty()
+        || value.starts_with('.')
+        || value.contains(['/', '\\'])
+        || value.contains('\0');
+    if bad {
+        return Err(StoreError::InvalidName {
+            what,
+            value: value.to_string(),
+        });
+    }
+    Ok(())
+}
+
+impl ModelStore {
+    /// Opens (creating as needed) `<art_dir>/<project>/models/<name>/` and its model.json.
+    pub fn open(
+        art_dir: impl AsRef<Path>,
+        project: &str,
+        name: &str,
+    ) -> Result<Self, StoreError> {
+        check_name("project", project)?;
+        check_name("model name", name)?;
+        let dir = art_dir.as_ref().join(project).join("models").join(name);
+        fs::create_dir_all(&dir).map_err(io_error("create", &dir))?;
+        let store = ModelStore {
+            dir,
+            project: project.to_string(),
+            name: name.to_string(),
+            faults: FaultInjector::default(),
+        };
+        // Temp files of writes a crash interrupted are garbage: the old files are intact.
+        store.remove_stale_temps()?;
+        let model_json = store.model_json_path();
+        if !model_json.exists() {
+            store.set_model_info(json!({}))?;
+        }
+        Ok(store)
+    }
+
+    fn remove_stale_temps(&self) -> Result<(), StoreError> {
+        remove_stale_temps(&self.dir).map_err(io_error("clean", &self.dir))?;
+        let trajectories = self.dir.join("trajectories");
+        let splits = match fs::read_dir(&trajectories) {
+            Ok(splits) => splits,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(io_error("list", &trajectories)(e)),
+        };
+        for split in splits.flatten() {
+            let dir = split.path();
+            if dir.is_dir() {
+                remove_stale_temps(&dir).map_err(io_error("clean", &dir))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn project(&self) -> &str {
+        &self.project
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn model_json_path(&self) -> PathBuf {
+        self.dir.join("model.json")
+    }
+
+    pub fn history_path(&self) -> PathBuf {
+        self.dir.join("history.jsonl")
+    }
+
+    /// `trajectories/<split>/<step:04>.parquet`.
+    pub fn trajectories_path(&self, split: &str, step: u64) -> PathBuf {
+        self.dir
+            .join("trajectories")
+            .join(split)
+            .join(format!("{step:04}.parquet"))
+    }
+
+    /// `checkpoints/<step:04>/`, where the trainer writes the LoRA of that step.
+    pub fn checkpoint_dir(&self, step: u64) -> PathBuf {
+        self.dir.join("checkpoints").join(format!("{step:04}"))
+    }
+
+    /// The contents of model.json.
+    pub fn model_info(&self) -> Result<Value, StoreError> {
+        let path = self.model_json_path();
+        let text = fs::read_to_string(&path).map_err(io_error("read", &path))?;
+        serde_json::from_str(&text).map_err(|source| StoreError::CorruptModelJson { path, source })
+    }
+
+    /// Replaces model.json with `info` (an object; `name` and `project` are always set to this
+    /// store's).
+    pub fn set_model_info(&self, info: Value) -> Result<(), StoreError> {
+        let mut object = match info {
+            Value::Object(object) => object,
+            other => {
+                let mut object = serde_json::Map::new();
+                object.insert("config".into(), other);
+                object
+            }
+        };
+        object.insert("name".into(), Value::from(self.name.clone()));
+        object.insert("project".into(), Value::from(self.project.clone()));
+        let path = self.model_json_path();
+        let text = serde_json::to_string_pretty(&Value::Object(object)).expect("JSON value");
+        write_atomic(&path, text.as_bytes(), &self.faults).map_err(io_error("write", &path))
+    }
+
+    /// Records a batch of groups as `split` at `step`: writes its trajectories parquet, then
+    /// appends its metrics (see [`batch_metrics`]) to history.jsonl. Logging the same split and
+    /// step again replaces the parquet and adds a second history line.
+    pub fn log(
+        &self,
+        groups: &[TrajectoryGroup],
+        split: &str,
+        step: u64,
+    ) -> Result<LoggedMetrics, StoreError> {
+        check_name("split", split)?;
+        let path = self.trajectories_path(split, step);
+        let dir = path.parent().expect("a split directory");
+        fs::create_dir_all(dir).map_err(io_error("create", dir))?;
+        let bytes = frames::trajectories_parquet(groups)?;
+        write_atomic(&path, &bytes, &self.faults).map_err(io_error("write", &path))?;
+        let entry = self.log_metrics(split, step, batch_metrics(groups))?;
+        Ok(LoggedMetrics {
+            entry,
+            trajectories_path: path,
+        })
+    }
+
+    /// Appends metrics of `split` at `step` to history.jsonl (what the trainer does with
+    /// `loss`, `grad_norm`, ...).
+    pub fn log_metrics<K: Into<String>>(
+        &self,
+        split: &str,
+        step: u64,
+        metrics: impl IntoIterator<Item = (K, f64)>,
+    ) -> Result<HistoryEntry, StoreError> {
+        check_name("split", split)?;
+        let entry = HistoryEntry {
+            step,
+            split: split.to_string(),
+            metrics: metrics.into_iter().map(|(k, v)| (k.into(), v)).collect(),
+            recorded_at: Some(history::now_rfc3339()),
+        };
+        let path = self.history_path();
+        let _guard = HISTORY_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let mut text = match fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(io_error("read", &path)(e)),
+        };
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(&entry.to_json_line());
+        text.push('\n');
+        write_atomic(&path, text.as_bytes(), &self.faults).map_err(io_error("write", &path))?;
+        Ok(entry)
+    }
+
+    /// Every entry of history.jsonl, in file order (empty when nothing was logged yet).
+    pub fn history(&self) -> Result<Vec<HistoryEntry>, StoreError> {
+        let path = self.history_path();
+        let text = match fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(io_error("read", &path)(e)),
+        };
+        let mut entries = Vec::new();
+        for (i, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let parsed = history::parse_line(line).map_err(|problem| StoreError::CorruptHistory {
+                path: path.clone(),
+                line: i + 1,
+                problem,
+            })?;
+            entries.extend(parsed);
+        }
+        Ok(entries)
+    }
+
+    /// The history as a DataFrame (see [`frames::history_frame`]).
+    pub fn history_frame(&self) -> Result<DataFrame, StoreError> {
+        Ok(frames::history_frame(&self.history()?)?)
+    }
+
+    /// The steps that have a trajectories file for `split`, ascending.
+    pub fn trajectory_steps(&self, split: &str) -> Result<Vec<u64>, StoreError> {
+        let dir = self.dir.join("trajectories").join(split);
+        numbered_entries(&dir, ".parquet").map(|entries| entries.into_keys().collect())
+    }
+
+    /// The trajectories logged for `split` at `step`, as the full table.
+    pub fn read_trajectories(&self, split: &str, step: u64) -> Result<DataFrame, StoreError> {
+        Ok(frames::read_parquet(self.trajectories_path(split, step))?)
+    }
+
+    /// The groups logged for `split` at `step`, rebuilt from their parquet file.
+    pub fn read_trajectory_groups(
+        &self,
+        split: &str,
+        step: u64,
+    ) -> Result<Vec<TrajectoryGroup>, StoreError> {
+        Ok(frames::read_trajectory_groups(
+            self.trajectories_path(split, step),
+        )?)
+    }
+
+    /// The steps that have a checkpoint directory, ascending.
+    pub fn checkpoints(&self) -> Result<Vec<u64>, StoreError> {
+        numbered_entries(&self.dir.join("checkpoints"), "").map(|e| e.into_keys().collect())
+    }
+
+    /// The newest checkpoint's step, `None` before the first one.
+    pub fn latest_step(&self) -> Result<Option<u64>, StoreError> {
+        Ok(self.checkpoints()?.last().copied())
+    }
+
+    /// ART's `get_step`: the newest checkpoint's step, 0 before the first one.
+    pub fn get_step(&self) -> Result<u64, StoreError> {
+        Ok(self.latest_step()?.unwrap_or(0))
+    }
+
+    /// Deletes every checkpoint except the latest and the best by `best_metric`, returning the
+    /// deleted steps. The metric is looked up in the `val` split's history, else `train`'s; name
+    /// a split explicitly as ART does (`"val/reward"`). Several entries at one step are averaged;
+    /// among equally good steps the later is kept. Errors, deleting nothing, when no split ever
+    /// logged the metric (a typo would otherwise delete the best checkpoint).
+    pub fn delete_checkpoints(
+        &self,
+        best_metric: &str,
+        goal: MetricGoal,
+    ) -> Result<Vec<u64>, StoreError> {
+        let dirs = numbered_entries(&self.dir.join("checkpoints"), "")?;
+        let Some(&latest) = dirs.keys().last() else {
+            return Ok(Vec::new());
+        };
+        let history = self.history()?;
+        let (splits, metric): (Vec<&str>, &str) = match best_metric.split_once('/') {
+            Some((split, metric)) => (vec![split], metric),
+            None => (vec!["val", "train"], best_metric),
+        };
+        let logged = |split: &str| history.iter().any(|e| e.split == split && e.get(metric).is_some());
+        let Some(split) = splits.into_iter().find(|s| logged(s)) else {
+            let available: Vec<String> = history
+                .iter()
+                .flat_map(|e| e.metrics.keys().map(move |k| format!("{}/{k}", e.split)))
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            return Err(StoreError::MetricNotFound {
+                metric: best_metric.to_string(),
+                available: if available.is_empty() {
+                    "nothing yet".into()
+                } else {
+                    available.join(", ")
+                },
+            });
+        };
+        let mut by_step: BTreeMap<u64, (f64, usize)> = BTreeMap::new();
+        for entry in history.iter().filter(|e| e.split == split) {
+            if let (Some(value), true) = (entry.get(metric), dirs.contains_key(&entry.step)) {
+                let sum = by_step.entry(entry.step).or_default();
+                sum.0 += value;
+                sum.1 += 1;
+            }
+        }
+        let score = |&(sum, n): &(f64, usize)| {
+            let mean = sum / n as f64;
+            match goal {
+                MetricGoal::Maximize => mean,
+                MetricGoal::Minimize => -mean,
+            }
+        };
+        // Iterating ascending and keeping ties (>=) keeps the later of equally good steps.
+        let best = by_step
+            .iter()
+            .filter(|(_, s)| !score(s).is_nan())
+            .fold(None::<(u64, f64)>, |best, (&step, s)| match best {
+                Some((_, b)) if score(s) < b => best,
+                _ => Some((step, score(s))),
+            })
+            .map(|(step, _)| step);
+        let mut deleted = Vec::new();
+        for (step, path) in dirs {
+            if step == latest || Some(step) == best {
+                continue;
+            }
+            fs::remove_dir_all(&path).map_err(io_error("delete", &path))?;
+            deleted.push(step);
+        }
+        Ok(deleted)
+    }
+
+    /// Testing aid: the next write of the file named `file_name` (`history.jsonl`,
+    /// `0003.parquet`, ...) fails after its temp file is written and synced but before the rename,
+    /// as a crash at that moment would. Shared with clones of this store.
+    #[doc(hidden)]
+    pub fn inject_failure_before_rename(&self, file_name: &str) {
+        self.faults.arm(file_name);
+    }
+}
+
+/// Entries of `dir` named `<digits><suffix>` (temp files skipped), by number.
+fn numbered_entries(dir: &Path, suffix: &str) -> Result<BTreeMap<u64, PathBuf>, StoreError> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        Err(e) => return Err(io_error("list", dir)(e)),
+    };
+    let mut out = BTreeMap::new();
+    for entry in entries {
+        let entry = entry.map_err(io_error("list", dir))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(TEMP_PREFIX) {
+            continue;
+        }
+        let Some(number) = name.strip_suffix(suffix) else {
+            continue;
+        };
+        if !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit()) {
+            if let Ok(step) = number.parse() {
+                out.insert(step, entry.path());
+            }
+        }
+    }
+    Ok(out)
+}
