@@ -103,7 +103,10 @@ fn dynamic_column(name: &str, cells: &[Option<Cell>]) -> Column {
     let present = || cells.iter().flatten();
     let name: PlSmallStr = name.into();
     if present().any(|c| matches!(c, Cell::Text(_))) || present().next().is_none() {
-        let values: Vec<Option<String>> = cells.iter().map(|c| c.as_ref().map(Cell::as_text)).collect();
+        let values: Vec<Option<String>> = cells
+            .iter()
+            .map(|c| c.as_ref().map(Cell::as_text))
+            .collect();
         Column::new(name, values)
     } else if present().all(|c| matches!(c, Cell::Bool(_))) {
         let values: Vec<Option<bool>> = cells
@@ -187,8 +190,12 @@ pub fn groups_frame(groups: &[TrajectoryGroup]) -> Result<DataFrame, FrameError>
     ];
     columns.extend(keyed_columns(
         METRIC_PREFIX,
-        rows.iter()
-            .map(|r| r.3.metrics.iter().map(|(k, v)| (k.as_str(), v.into())).collect()),
+        rows.iter().map(|r| {
+            r.3.metrics
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.into()))
+                .collect()
+        }),
     ));
     columns.extend(keyed_columns(
         METADATA_PREFIX,
@@ -341,7 +348,12 @@ fn string_list_column(name: &str, lists: Vec<&[String]>) -> Column {
     }
     let series: Vec<Series> = lists
         .iter()
-        .map(|lines| Series::new("".into(), lines.iter().map(String::as_str).collect::<Vec<_>>()))
+        .map(|lines| {
+            Series::new(
+                "".into(),
+                lines.iter().map(String::as_str).collect::<Vec<_>>(),
+            )
+        })
         .collect();
     Column::from(Series::new(name.into(), series))
 }
@@ -364,12 +376,20 @@ pub fn trajectories_frame(groups: &[TrajectoryGroup]) -> Result<DataFrame, Frame
         text("messages_and_choices", &|_, t| {
             json_or_null(&t.messages_and_choices, false)
         }),
-        text("tools", &|_, t| t.tools.as_ref().and_then(|tools| json_or_null(tools, false))),
+        text("tools", &|_, t| {
+            t.tools
+                .as_ref()
+                .and_then(|tools| json_or_null(tools, false))
+        }),
         text("additional_histories", &|_, t| {
             json_or_null(&t.additional_histories, t.additional_histories.is_empty())
         }),
-        text("metrics", &|_, t| json_or_null(&t.metrics, t.metrics.is_empty())),
-        text("metadata", &|_, t| json_or_null(&t.metadata, t.metadata.is_empty())),
+        text("metrics", &|_, t| {
+            json_or_null(&t.metrics, t.metrics.is_empty())
+        }),
+        text("metadata", &|_, t| {
+            json_or_null(&t.metadata, t.metadata.is_empty())
+        }),
         string_list_column("logs", rows.iter().map(|r| r.3.logs.as_slice()).collect()),
         Column::new(
             "initial_policy_version".into(),
@@ -383,12 +403,19 @@ pub fn trajectories_frame(groups: &[TrajectoryGroup]) -> Result<DataFrame, Frame
                 .map(|r| r.3.final_policy_version)
                 .collect::<Vec<_>>(),
         ),
-        text("group_metadata", &|g, _| json_or_null(&g.metadata, g.metadata.is_empty())),
-        text("group_metrics", &|g, _| json_or_null(&g.metrics, g.metrics.is_empty())),
+        text("group_metadata", &|g, _| {
+            json_or_null(&g.metadata, g.metadata.is_empty())
+        }),
+        text("group_metrics", &|g, _| {
+            json_or_null(&g.metrics, g.metrics.is_empty())
+        }),
         text("group_exceptions", &|g, _| {
             json_or_null(&g.exceptions, g.exceptions.is_empty())
         }),
-        string_list_column("group_logs", rows.iter().map(|r| r.2.logs.as_slice()).collect()),
+        string_list_column(
+            "group_logs",
+            rows.iter().map(|r| r.2.logs.as_slice()).collect(),
+        ),
     ];
     for column in extra {
         frame.with_column(column)?;

@@ -16,17 +16,17 @@ pub mod store;
 pub mod types;
 
 pub use client::{ChatEndpoint, ClientError};
+#[cfg(feature = "frames")]
+pub use frames::{groups_frame, history_frame, DataFrame, FrameError};
 pub use gather::{
     gather_trajectory_groups, GatherError, GatherOptions, GatherProgress, MaxExceptions,
     PendingGroup,
 };
+#[cfg(feature = "plots")]
+pub use plots::{Chart, PlotError};
 pub use ruler::{
     ruler, ruler_score_group, JudgeUsage, RulerError, RulerOptions, RulerScore, RulerVerdict,
 };
-pub use types::*;
-#[cfg(feature = "frames")]
-pub use frames::{groups_frame, history_frame, DataFrame, FrameError};
-#[cfg(feature = "plots")]
-pub use plots::{Chart, PlotError};
 #[cfg(feature = "frames")]
 pub use store::{HistoryEntry, LoggedMetrics, MetricGoal, ModelStore, StoreError};
+pub use types::*;

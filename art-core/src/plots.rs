@@ -114,7 +114,8 @@ impl Chart {
         ensure_font()?;
         let mut svg = String::new();
         {
-            let root = SVGBackend::with_string(&mut svg, (self.width, self.height)).into_drawing_area();
+            let root =
+                SVGBackend::with_string(&mut svg, (self.width, self.height)).into_drawing_area();
             self.render(&root).map_err(draw_error)?;
             root.present().map_err(draw_error)?;
         }
@@ -214,10 +215,11 @@ impl Chart {
         }
         if lines.iter().all(|l| l.points.is_empty()) {
             no_data(area)?;
-        } else {
+        } else if lines.len() > 1 {
+            // A single line needs no legend: the title and axis say what it is.
             chart
                 .configure_series_labels()
-                .position(SeriesLabelPosition::LowerRight)
+                .position(legend_corner(lines, (x0, x1), (y0, y1)))
                 .background_style(WHITE.mix(0.85))
                 .border_style(GRID)
                 .label_font((FAMILY, 14).into_font().color(&BLACK))
@@ -264,26 +266,42 @@ impl Chart {
                 let k = rewards.len();
                 // Spread a group's points evenly across its slot, so equal rewards stay visible.
                 rewards.iter().enumerate().map(move |(i, &r)| {
-                    let offset = if k > 1 { (i as f64 / (k - 1) as f64 - 0.5) * 0.5 } else { 0.0 };
+                    let offset = if k > 1 {
+                        (i as f64 / (k - 1) as f64 - 0.5) * 0.5
+                    } else {
+                        0.0
+                    };
                     (g as f64 + offset, r)
                 })
             })
             .collect();
-        chart
-            .draw_series(points.iter().map(|&p| Circle::new(p, 4, dot.mix(0.7).filled())))?
-            .label("trajectory reward")
-            .legend(move |(x, y)| Circle::new((x + 10, y), 4, dot.filled()));
-        let means = groups.iter().enumerate().filter(|(_, r)| !r.is_empty()).map(|(g, r)| {
-            let mean = r.iter().sum::<f64>() / r.len() as f64;
-            let g = g as f64;
-            PathElement::new(vec![(g - 0.35, mean), (g + 0.35, mean)], mean_color.stroke_width(3))
-        });
+        // Means first, so that no point hides behind its group's mean.
+        let means = groups
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !r.is_empty())
+            .map(|(g, r)| {
+                let mean = r.iter().sum::<f64>() / r.len() as f64;
+                let g = g as f64;
+                PathElement::new(
+                    vec![(g - 0.35, mean), (g + 0.35, mean)],
+                    mean_color.stroke_width(3),
+                )
+            });
         chart
             .draw_series(means)?
             .label("group mean")
             .legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 22, y)], mean_color.stroke_width(3))
             });
+        chart
+            .draw_series(
+                points
+                    .iter()
+                    .map(|&p| Circle::new(p, 4, dot.mix(0.7).filled())),
+            )?
+            .label("trajectory reward")
+            .legend(move |(x, y)| Circle::new((x + 10, y), 4, dot.filled()));
         if points.is_empty() {
             no_data(area)?;
         } else {
@@ -296,6 +314,31 @@ impl Chart {
                 .draw()?;
         }
         Ok(())
+    }
+}
+
+/// The right-hand corner the lines leave free: upper when they end low, lower when they end high.
+fn legend_corner(
+    lines: &[Line],
+    (x0, x1): (f64, f64),
+    (y0, y1): (f64, f64),
+) -> SeriesLabelPosition {
+    let right = x0 + 0.6 * (x1 - x0);
+    let ys: Vec<f64> = lines
+        .iter()
+        .flat_map(|l| &l.points)
+        .filter(|p| p.0 >= right)
+        .map(|p| (p.1 - y0) / (y1 - y0))
+        .collect();
+    let mean = if ys.is_empty() {
+        0.5
+    } else {
+        ys.iter().sum::<f64>() / ys.len() as f64
+    };
+    if mean < 0.5 {
+        SeriesLabelPosition::UpperRight
+    } else {
+        SeriesLabelPosition::LowerRight
     }
 }
 
@@ -342,12 +385,18 @@ fn no_data<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>) -> DrawResult<DB> 
 fn padded_range(values: impl Iterator<Item = f64>, pad: f64, frac: f64) -> (f64, f64) {
     let (lo, hi) = values
         .filter(|v| v.is_finite())
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
     if lo > hi {
         return (0.0, 1.0);
     }
     let span = hi - lo;
-    let extra = if span == 0.0 { lo.abs().max(1.0) * 0.1 } else { span * frac };
+    let extra = if span == 0.0 {
+        lo.abs().max(1.0) * 0.1
+    } else {
+        span * frac
+    };
     (lo - pad - extra, hi + pad + extra)
 }
 
@@ -393,7 +442,8 @@ fn metric_lines(history: &[HistoryEntry], metric: &str) -> Vec<Line> {
     splits_with(history, metric)
         .into_iter()
         .map(|split| {
-            let mut by_step: std::collections::BTreeMap<u64, (f64, f64, usize)> = Default::default();
+            let mut by_step: std::collections::BTreeMap<u64, (f64, f64, usize)> =
+                Default::default();
             for entry in history.iter().filter(|e| e.split == split) {
                 if let Some(value) = entry.get(metric) {
                     let slot = by_step.entry(entry.step).or_default();
@@ -414,7 +464,11 @@ fn metric_lines(history: &[HistoryEntry], metric: &str) -> Vec<Line> {
                     (s as f64, mean - std, mean + std)
                 })
                 .collect();
-            let name = if split.is_empty() { metric.to_string() } else { split };
+            let name = if split.is_empty() {
+                metric.to_string()
+            } else {
+                split
+            };
             Line {
                 name,
                 points,
@@ -426,7 +480,12 @@ fn metric_lines(history: &[HistoryEntry], metric: &str) -> Vec<Line> {
 
 /// Mean reward per step, one line per split (train, val, ...), with a ±std band.
 pub fn reward_chart(history: &[HistoryEntry]) -> Chart {
-    Chart::lines("Reward per step", "step", "reward", metric_lines(history, REWARD))
+    Chart::lines(
+        "Reward per step",
+        "step",
+        "reward",
+        metric_lines(history, REWARD),
+    )
 }
 
 /// Any history metric by name (without split prefix), one line per split that logged it; a band
@@ -451,7 +510,10 @@ pub fn training_chart(history: &[HistoryEntry]) -> Chart {
         y_label: String::new(),
         width: 720,
         height: 400,
-        body: Body::Panels(vec![panel("loss", "loss"), panel("grad_norm", "gradient norm")]),
+        body: Body::Panels(vec![
+            panel("loss", "loss"),
+            panel("grad_norm", "gradient norm"),
+        ]),
     }
 }
 

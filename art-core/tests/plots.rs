@@ -10,7 +10,7 @@ use art_core::plots::{
     metric_chart, reward_chart, reward_distribution_chart, training_chart, Chart, Line,
 };
 use art_core::HistoryEntry;
-use common::{groups, scratch};
+use common::groups;
 
 const TRAIN_BLUE: [u8; 3] = [31, 119, 180];
 const VAL_ORANGE: [u8; 3] = [255, 127, 14];
@@ -39,7 +39,11 @@ fn history() -> Vec<HistoryEntry> {
             ],
         ));
         if step % 2 == 0 {
-            out.push(entry(step, "val", &[("reward", 0.15 + 0.05 * s), ("reward_std", 0.1)]));
+            out.push(entry(
+                step,
+                "val",
+                &[("reward", 0.15 + 0.05 * s), ("reward_std", 0.1)],
+            ));
         }
     }
     out
@@ -91,8 +95,16 @@ impl Pixels {
     }
 }
 
+/// Whether the SVG has a `<text>` element with exactly this content (plotters writes
+/// `<text ...>\nTEXT\n</text>`).
+fn has_text(svg: &str, text: &str) -> bool {
+    svg.contains(&format!(">\n{text}\n</text>"))
+}
+
 fn save(name: &str, png: &[u8]) {
-    let dir = scratch("plots");
+    // Not `scratch`: tests run in parallel and share this directory.
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("plots");
+    std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join(name), png).unwrap();
 }
 
@@ -110,20 +122,44 @@ fn reward_chart_png_has_both_series_bands_and_text() {
     // A light background with a drawing on it, not a blank or a solid image.
     let white = pixels.count([255, 255, 255]) as f64 / pixels.rgb.len() as f64;
     assert!(white > 0.5, "background is not white: {white}");
-    assert!(pixels.non_white_fraction() > 0.04, "{}", pixels.non_white_fraction());
+    assert!(
+        pixels.non_white_fraction() > 0.04,
+        "{}",
+        pixels.non_white_fraction()
+    );
     // Lines, bands (blended colours) and antialiased text give many colours.
-    assert!(pixels.distinct_colours() > 50, "{}", pixels.distinct_colours());
-    assert!(pixels.count(TRAIN_BLUE) > 300, "train line: {}", pixels.count(TRAIN_BLUE));
-    assert!(pixels.count(VAL_ORANGE) > 200, "val line: {}", pixels.count(VAL_ORANGE));
+    assert!(
+        pixels.distinct_colours() > 50,
+        "{}",
+        pixels.distinct_colours()
+    );
+    assert!(
+        pixels.count(TRAIN_BLUE) > 300,
+        "train line: {}",
+        pixels.count(TRAIN_BLUE)
+    );
+    assert!(
+        pixels.count(VAL_ORANGE) > 200,
+        "val line: {}",
+        pixels.count(VAL_ORANGE)
+    );
     // The ±std band: blue mixed at 18% onto white.
     let band = [
         (255.0 * 0.82 + 31.0 * 0.18) as u8,
         (255.0 * 0.82 + 119.0 * 0.18) as u8,
         (255.0 * 0.82 + 180.0 * 0.18) as u8,
     ];
-    assert!(pixels.near(band, 3) > 2000, "band: {}", pixels.near(band, 3));
+    assert!(
+        pixels.near(band, 3) > 2000,
+        "band: {}",
+        pixels.near(band, 3)
+    );
     // Dark pixels: axis labels, title, ticks.
-    let dark = pixels.rgb.iter().filter(|p| p.iter().all(|&c| c < 80)).count();
+    let dark = pixels
+        .rgb
+        .iter()
+        .filter(|p| p.iter().all(|&c| c < 80))
+        .count();
     assert!(dark > 500, "text: {dark}");
 }
 
@@ -132,8 +168,8 @@ fn reward_chart_svg_structure() {
     let svg = reward_chart(&history()).to_svg().unwrap();
     assert!(svg.starts_with("<svg"), "{}", &svg[..100]);
     assert!(svg.contains(r#"width="720""#) && svg.contains(r#"height="400""#));
-    for text in [">Reward per step<", ">step<", ">reward<", ">train<", ">val<"] {
-        assert!(svg.contains(text), "missing {text}");
+    for text in ["Reward per step", "step", "reward", "train", "val"] {
+        assert!(has_text(&svg, text), "missing {text}");
     }
     // One line per series plus one legend sample each, in the series colours.
     let polylines = |colour: &str| {
@@ -160,14 +196,18 @@ fn reward_chart_svg_structure() {
 fn training_chart_has_loss_and_grad_norm_panels() {
     let chart = training_chart(&history());
     let svg = chart.to_svg().unwrap();
-    for text in [">Training<", ">loss<", ">gradient norm<", ">grad_norm<"] {
-        assert!(svg.contains(text), "missing {text}");
+    for text in ["Training", "loss", "gradient norm", "grad_norm"] {
+        assert!(has_text(&svg, text), "missing {text}");
     }
     let train_lines = svg
         .lines()
         .filter(|l| l.contains("<polyline") && l.contains("#1F77B4"))
         .count();
-    assert_eq!(train_lines, 4, "a line and a legend sample per panel");
+    assert_eq!(
+        train_lines, 2,
+        "one line per panel, no legend for a single series"
+    );
+    assert!(!has_text(&svg, "train"));
     let png = chart.to_png().unwrap();
     save("training.png", &png);
     let pixels = decode(&png);
@@ -178,8 +218,8 @@ fn training_chart_has_loss_and_grad_norm_panels() {
 fn reward_distribution_shows_every_trajectory_and_group_means() {
     let chart = reward_distribution_chart(&groups());
     let svg = chart.to_svg().unwrap();
-    for text in [">Rewards by group<", ">group<", ">reward<", ">group mean<"] {
-        assert!(svg.contains(text), "missing {text}");
+    for text in ["Rewards by group", "group", "reward", "group mean"] {
+        assert!(has_text(&svg, text), "missing {text}");
     }
     // 4 trajectories + 1 legend marker; 2 means + 1 legend sample.
     assert_eq!(svg.matches("<circle").count(), 5);
@@ -199,7 +239,7 @@ fn any_metric_by_name_and_custom_sizes() {
     assert_eq!(chart.series().len(), 1);
     let pixels = decode(&chart.to_png().unwrap());
     assert_eq!((pixels.width, pixels.height), (480, 300));
-    assert!(chart.to_svg().unwrap().contains(">grad_norm per step<"));
+    assert!(has_text(&chart.to_svg().unwrap(), "grad_norm per step"));
 
     // Nothing logged: still a chart, saying so.
     let empty = metric_chart(&[], "reward");
@@ -211,7 +251,11 @@ fn any_metric_by_name_and_custom_sizes() {
         "one",
         "x",
         "y",
-        vec![Line { name: "only".into(), points: vec![(3.0, 0.5)], band: None }],
+        vec![Line {
+            name: "only".into(),
+            points: vec![(3.0, 0.5)],
+            band: None,
+        }],
     );
     assert_eq!(one.to_svg().unwrap().matches("<circle").count(), 1);
 }

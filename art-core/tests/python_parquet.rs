@@ -36,7 +36,9 @@ fn pyarrow_reads_our_trajectories_parquet() {
     let art = scratch("python-parquet");
     let store = ModelStore::open(&art, "p", "m").unwrap();
     let logged = store.log(&groups(), "train", 7).unwrap();
-    assert!(logged.trajectories_path.ends_with("trajectories/train/0007.parquet"));
+    assert!(logged
+        .trajectories_path
+        .ends_with("trajectories/train/0007.parquet"));
 
     // Written out by hand from the fixture, not from our frames.
     let expected = json!({

@@ -26,10 +26,15 @@ fn open_lays_out_the_model_dir_and_model_json() {
     assert_eq!(info["project"], "tutorial");
     // Reopening keeps what the trainer added.
     store
-        .set_model_info(serde_json::json!({"base_model": "SmolLM2-135M-Instruct", "trainable": true}))
+        .set_model_info(
+            serde_json::json!({"base_model": "SmolLM2-135M-Instruct", "trainable": true}),
+        )
         .unwrap();
     let again = ModelStore::open(&art, "tutorial", "agent-001").unwrap();
-    assert_eq!(again.model_info().unwrap()["base_model"], "SmolLM2-135M-Instruct");
+    assert_eq!(
+        again.model_info().unwrap()["base_model"],
+        "SmolLM2-135M-Instruct"
+    );
     assert!(again.history().unwrap().is_empty());
     assert_eq!(again.latest_step().unwrap(), None);
     assert_eq!(again.get_step().unwrap(), 0);
@@ -68,7 +73,10 @@ fn log_computes_the_metrics() {
     // Averaged over the trajectories that have it.
     assert!(close(logged.get("difficulty"), 0.75));
     assert_eq!(logged.entry.metrics.len(), 10, "{:?}", logged.entry.metrics);
-    assert_eq!(logged.trajectories_path, store.dir().join("trajectories/train/0000.parquet"));
+    assert_eq!(
+        logged.trajectories_path,
+        store.dir().join("trajectories/train/0000.parquet")
+    );
 }
 
 #[test]
@@ -83,21 +91,30 @@ fn log_round_trips_through_parquet_and_history() {
     // The parquet holds the reward table exactly as built in memory...
     let table = store.read_trajectories("train", 0).unwrap();
     let expected = groups_frame(&batch).unwrap();
-    let names: Vec<String> = expected.get_column_names().iter().map(|s| s.to_string()).collect();
+    let names: Vec<String> = expected
+        .get_column_names()
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     let read = table.select(names.iter().map(String::as_str)).unwrap();
     assert!(read.equals_missing(&expected), "{read}\n!=\n{expected}");
     assert_eq!(read.height(), 4);
     // ...and the groups themselves, messages, choices, tools and logs included.
     let back = store.read_trajectory_groups("train", 0).unwrap();
     assert_eq!(back, batch);
-    assert_eq!(store.read_trajectory_groups("train", 1).unwrap(), batch[1..].to_vec());
+    assert_eq!(
+        store.read_trajectory_groups("train", 1).unwrap(),
+        batch[1..].to_vec()
+    );
     assert_eq!(store.trajectory_steps("train").unwrap(), vec![0, 1]);
     assert_eq!(store.trajectory_steps("val").unwrap(), vec![0]);
 
     // history.jsonl: one JSON object per line, ART's namespaced keys plus ours.
     let text = fs::read_to_string(store.history_path()).unwrap();
-    let lines: Vec<serde_json::Value> =
-        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 3);
     assert_eq!(lines[1]["step"], 0);
     assert_eq!(lines[1]["split"], "val");
@@ -178,7 +195,10 @@ fn a_failure_between_temp_and_rename_leaves_the_previous_state_readable() {
     let mut other = batch.clone();
     other[0].trajectories[0].reward = 0.25;
     assert!(store.log(&other, "train", 0).is_err());
-    assert_eq!(fs::read(store.trajectories_path("train", 0)).unwrap(), parquet_before);
+    assert_eq!(
+        fs::read(store.trajectories_path("train", 0)).unwrap(),
+        parquet_before
+    );
     assert_eq!(store.read_trajectory_groups("train", 0).unwrap(), batch);
     assert_eq!(fs::read(store.history_path()).unwrap(), history_before);
 
@@ -186,7 +206,13 @@ fn a_failure_between_temp_and_rename_leaves_the_previous_state_readable() {
     let temps = |dir: &std::path::Path| {
         fs::read_dir(dir)
             .unwrap()
-            .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().starts_with('.'))
+            .filter(|e| {
+                e.as_ref()
+                    .unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with('.')
+            })
             .count()
     };
     let split_dir = store.dir().join("trajectories/train");
@@ -218,27 +244,41 @@ fn checkpoints_are_listed_and_pruned_to_latest_and_best() {
     fs::create_dir_all(store.dir().join("checkpoints/not-a-step")).unwrap();
     assert_eq!(store.checkpoints().unwrap(), vec![0, 1, 2, 3, 4, 5]);
     assert_eq!(store.latest_step().unwrap(), Some(5));
-    assert_eq!(store.checkpoint_dir(3), store.dir().join("checkpoints/0003"));
+    assert_eq!(
+        store.checkpoint_dir(3),
+        store.dir().join("checkpoints/0003")
+    );
 
     for (step, reward) in [(0, 0.1), (1, 0.9), (2, 0.3), (3, 0.9), (4, 0.2)] {
-        store.log_metrics("val", step, [("reward", reward)]).unwrap();
+        store
+            .log_metrics("val", step, [("reward", reward)])
+            .unwrap();
         // Train rewards point elsewhere; val wins when both exist.
-        store.log_metrics("train", step, [("reward", 1.0 - reward), ("loss", reward)]).unwrap();
+        store
+            .log_metrics("train", step, [("reward", 1.0 - reward), ("loss", reward)])
+            .unwrap();
     }
     // A misspelt metric deletes nothing.
-    let err = store.delete_checkpoints("rewrad", MetricGoal::Maximize).unwrap_err();
+    let err = store
+        .delete_checkpoints("rewrad", MetricGoal::Maximize)
+        .unwrap_err();
     assert!(matches!(err, StoreError::MetricNotFound { .. }), "{err}");
     assert!(err.to_string().contains("val/reward"), "{err}");
     assert_eq!(store.checkpoints().unwrap().len(), 6);
 
     // Best val reward: steps 1 and 3 tie at 0.9, the later is kept; 5 is the latest.
-    let deleted = store.delete_checkpoints("reward", MetricGoal::Maximize).unwrap();
+    let deleted = store
+        .delete_checkpoints("reward", MetricGoal::Maximize)
+        .unwrap();
     assert_eq!(deleted, vec![0, 1, 2, 4]);
     assert_eq!(store.checkpoints().unwrap(), vec![3, 5]);
     assert!(store.dir().join("checkpoints/not-a-step").exists());
 
     // Lowest train loss among what is left: 3 (0.9) vs 5 (not logged): keep 3 and 5.
-    assert!(store.delete_checkpoints("train/loss", MetricGoal::Minimize).unwrap().is_empty());
+    assert!(store
+        .delete_checkpoints("train/loss", MetricGoal::Minimize)
+        .unwrap()
+        .is_empty());
 }
 
 #[test]
@@ -251,7 +291,9 @@ fn best_checkpoint_falls_back_to_train_and_can_minimize() {
     }
     // Two entries at step 3 are averaged: (0.4 + 0.0) / 2 = 0.2 ties step 2; the later wins.
     store.log_metrics("train", 3, [("loss", 0.0)]).unwrap();
-    let deleted = store.delete_checkpoints("loss", MetricGoal::Minimize).unwrap();
+    let deleted = store
+        .delete_checkpoints("loss", MetricGoal::Minimize)
+        .unwrap();
     assert_eq!(deleted, vec![1, 2]);
     assert_eq!(store.checkpoints().unwrap(), vec![3, 4]);
 }
@@ -270,7 +312,13 @@ fn history_written_by_art_is_read() {
     )
     .unwrap();
     // Appending to a file without a final newline keeps lines apart.
-    store.log(&[TrajectoryGroup::new([trajectory("q", "a", 1.0, true)])], "val", 1).unwrap();
+    store
+        .log(
+            &[TrajectoryGroup::new([trajectory("q", "a", 1.0, true)])],
+            "val",
+            1,
+        )
+        .unwrap();
     let history = store.history().unwrap();
     assert_eq!(history.len(), 3);
     assert_eq!(history[0].split, "val");

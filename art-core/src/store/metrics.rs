@@ -47,7 +47,10 @@ pub fn batch_metrics(groups: &[TrajectoryGroup]) -> BTreeMap<String, f64> {
         out.insert(REWARD.into(), mean);
         out.insert(REWARD_STD.into(), std);
     }
-    let group_stds: Vec<f64> = groups.iter().filter_map(TrajectoryGroup::reward_std).collect();
+    let group_stds: Vec<f64> = groups
+        .iter()
+        .filter_map(TrajectoryGroup::reward_std)
+        .collect();
     if let Some((mean, _)) = mean_std(&group_stds) {
         out.insert(REWARD_STD_DEV.into(), mean);
     }
@@ -58,8 +61,10 @@ pub fn batch_metrics(groups: &[TrajectoryGroup]) -> BTreeMap<String, f64> {
         .filter_map(|t| {
             // Counted only for trajectories whose every choice knows its tokens: a partial count
             // would understate.
-            let counts: Option<Vec<usize>> =
-                t.choices().map(|c| c.sampled_token_ids().map(|ids| ids.len())).collect();
+            let counts: Option<Vec<usize>> = t
+                .choices()
+                .map(|c| c.sampled_token_ids().map(|ids| ids.len()))
+                .collect();
             counts
                 .filter(|c| !c.is_empty())
                 .map(|c| c.iter().sum::<usize>() as f64)

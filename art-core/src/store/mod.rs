@@ -128,11 +128,7 @@ fn check_name(what: &'static str, value: &str) -> Result<(), StoreError> {
 
 impl ModelStore {
     /// Opens (creating as needed) `<art_dir>/<project>/models/<name>/` and its model.json.
-    pub fn open(
-        art_dir: impl AsRef<Path>,
-        project: &str,
-        name: &str,
-    ) -> Result<Self, StoreError> {
+    pub fn open(art_dir: impl AsRef<Path>, project: &str, name: &str) -> Result<Self, StoreError> {
         check_name("project", project)?;
         check_name("model name", name)?;
         let dir = art_dir.as_ref().join(project).join("models").join(name);
@@ -293,11 +289,12 @@ impl ModelStore {
             if line.trim().is_empty() {
                 continue;
             }
-            let parsed = history::parse_line(line).map_err(|problem| StoreError::CorruptHistory {
-                path: path.clone(),
-                line: i + 1,
-                problem,
-            })?;
+            let parsed =
+                history::parse_line(line).map_err(|problem| StoreError::CorruptHistory {
+                    path: path.clone(),
+                    line: i + 1,
+                    problem,
+                })?;
             entries.extend(parsed);
         }
         Ok(entries)
@@ -364,7 +361,11 @@ impl ModelStore {
             Some((split, metric)) => (vec![split], metric),
             None => (vec!["val", "train"], best_metric),
         };
-        let logged = |split: &str| history.iter().any(|e| e.split == split && e.get(metric).is_some());
+        let logged = |split: &str| {
+            history
+                .iter()
+                .any(|e| e.split == split && e.get(metric).is_some())
+        };
         let Some(split) = splits.into_iter().find(|s| logged(s)) else {
             let available: Vec<String> = history
                 .iter()

@@ -58,17 +58,20 @@ pub fn groups() -> Vec<TrajectoryGroup> {
 
     let mut b0 = trajectory("Capital of France?", "Paris", 0.5, true);
     b0.set_metric("difficulty", 0.5);
-    let mut b1 = trajectory("Capital of France?", "", 0.5, true)
-        .with_tools(vec![Tool::function(
-            "search",
-            "Search the web",
-            serde_json::json!({"type": "object", "properties": {"q": {"type": "string"}}}),
-        )]);
+    let mut b1 = trajectory("Capital of France?", "", 0.5, true).with_tools(vec![Tool::function(
+        "search",
+        "Search the web",
+        serde_json::json!({"type": "object", "properties": {"q": {"type": "string"}}}),
+    )]);
     // A tool call, its result, and the final answer.
     b1.messages_and_choices.pop();
     let mut call = choice("", Some(vec![21, 22]));
     call.message.content = None;
-    call.message.tool_calls = vec![ToolCall::new("call_1", "search", r#"{"q":"capital of France"}"#)];
+    call.message.tool_calls = vec![ToolCall::new(
+        "call_1",
+        "search",
+        r#"{"q":"capital of France"}"#,
+    )];
     call.finish_reason = Some("tool_calls".into());
     b1.push_choice(call);
     b1.push_message(Message::tool("call_1", "Paris is the capital of France."));
