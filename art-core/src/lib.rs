@@ -7,3 +7,6 @@
 pub mod types;
 
 pub use types::*;
+
+#[cfg(feature = "engine")]
+pub mod engine;
