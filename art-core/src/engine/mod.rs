@@ -34,7 +34,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
+/// The tensor library the engine is built on, for callers that need more of it (the trainer).
+pub use candle_core as candle;
 pub use candle_core::{DType, Device, Tensor, Var};
+pub use candle_nn;
 pub use config::{Architecture, ModelConfig};
 pub use error::{EngineError, Result};
 pub use linear::Linear;
