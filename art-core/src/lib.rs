@@ -18,3 +18,6 @@ pub use ruler::{
     ruler, ruler_score_group, JudgeUsage, RulerError, RulerOptions, RulerScore, RulerVerdict,
 };
 pub use types::*;
+
+#[cfg(feature = "engine")]
+pub mod engine;
