@@ -4,6 +4,8 @@
 //! trainer and server sit behind the `engine`, `train` and `server` features so that notebook cells
 //! link only what they need.
 
+#[cfg(feature = "engine")]
+pub mod engine;
 pub mod types;
 
 pub use types::*;
