@@ -180,6 +180,8 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson_filter);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_test("iterable", is_iterable);
+        env.add_test("sequence", is_sequence);
         env.add_template_owned(TEMPLATE_NAME, rewrite_generation_blocks(&source))
             .map_err(|err| ChatTemplateError::Syntax {
                 message: describe(&err),
@@ -548,6 +550,29 @@ fn rewrite_generation_blocks(source: &str) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// jinja2's `iterable` test is `iter(value)` succeeding: false for none (minijinja says true, and
+/// templates such as Qwen3-Coder's `tools is iterable and tools | length > 0` then fail on none).
+fn is_iterable(value: &Value) -> bool {
+    match value.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Number => false,
+        // jinja2's Undefined iterates as empty.
+        ValueKind::Undefined => true,
+        ValueKind::String | ValueKind::Bytes | ValueKind::Seq | ValueKind::Map => true,
+        _ => value.try_iter().is_ok(),
+    }
+}
+
+/// jinja2's `sequence` test is "has a length and can be indexed": true for strings and dicts too,
+/// which templates rely on (`args is sequence` to decide whether to `tojson` a value).
+fn is_sequence(value: &Value) -> bool {
+    match value.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Number => false,
+        ValueKind::Undefined => true,
+        ValueKind::String | ValueKind::Bytes | ValueKind::Seq | ValueKind::Map => true,
+        _ => value.len().is_some(),
+    }
 }
 
 /// Marks an error as the template's own `raise_exception`, so it is reported as such.
@@ -1042,6 +1067,20 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, "A2");
+    }
+
+    #[test]
+    fn type_tests_follow_jinja2() {
+        let out = render_str(
+            "{{ [none is iterable, tools is iterable, 'ab' is iterable, {} is iterable, 1 is iterable, nope is iterable] }}\
+             {{ [none is sequence, 'ab' is sequence, {'a': 1} is sequence, [1] is sequence, 2 is sequence] }}",
+            json!({}),
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "[False, False, True, True, False, True][False, True, True, True, False]"
+        );
     }
 
     #[test]
