@@ -18,6 +18,7 @@
 //! # Ok::<(), art_core::engine::EngineError>(())
 //! ```
 
+pub mod chat_template;
 mod config;
 mod error;
 pub mod hub;
@@ -29,6 +30,7 @@ pub mod random;
 mod sampler;
 mod scheduler;
 mod tokenizer;
+pub mod tool_calls;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
