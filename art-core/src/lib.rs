@@ -21,3 +21,5 @@ pub use types::*;
 
 #[cfg(feature = "engine")]
 pub mod engine;
+#[cfg(feature = "server")]
+pub mod server;
