@@ -4,11 +4,17 @@
 //! trainer and server sit behind the `engine`, `train` and `server` features so that notebook cells
 //! link only what they need.
 
+pub mod backend;
 pub mod client;
+pub mod fsutil;
 pub mod gather;
 pub mod ruler;
 pub mod types;
 
+pub use backend::{
+    Backend, BackendError, LocalBackend, LocalBackendOptions, ModelInfo, RemoteBackend,
+    TrainableModel,
+};
 pub use client::{ChatEndpoint, ClientError};
 pub use gather::{
     gather_trajectory_groups, GatherError, GatherOptions, GatherProgress, MaxExceptions,

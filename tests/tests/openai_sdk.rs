@@ -10,7 +10,10 @@ async fn the_official_python_sdk_works_against_our_server() {
         return;
     };
     let server = TestServer::tiny(|o| o.api_key = Some("sk-test".into())).await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/openai_sdk_check.py");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../scripts/openai_sdk_check.py"
+    );
     let output = tokio::process::Command::new(python)
         .args([script, &server.base_url, &server.model, "sk-test"])
         .output()
@@ -18,6 +21,9 @@ async fn the_official_python_sdk_works_against_our_server() {
         .expect("python runs");
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "the SDK check failed:\n{stdout}\n{stderr}");
+    assert!(
+        output.status.success(),
+        "the SDK check failed:\n{stdout}\n{stderr}"
+    );
     assert!(stdout.contains("\"ok\": true"), "{stdout}");
 }

@@ -1,6 +1,7 @@
 //! `art serve`: the backend as an HTTP server (feature `server`). OpenAI-compatible chat
 //! completions for rollouts, with continuous batching across requests.
 
+mod art;
 mod batcher;
 mod chat;
 mod error;
@@ -21,6 +22,7 @@ use serde_json::{json, Value};
 
 use crate::engine::{Engine, LoadOptions, ModelSource};
 
+pub use art::{ModelInfo, RegisterRequest};
 pub use batcher::{BatchEvent, Batcher};
 pub use error::ApiError;
 pub use state::{AppState, Shared};
@@ -93,6 +95,7 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
         api_key: options.api_key.clone(),
         default_max_tokens: options.default_max_tokens,
         art_dir: options.art_dir.clone(),
+        registry: Default::default(),
     }))
 }
 
@@ -101,6 +104,8 @@ pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/chat/completions", post(chat::chat_completions))
         .route("/models", get(list_models))
+        .route("/art/models", post(art::register))
+        .route("/art/models/{name}", get(art::get_model))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

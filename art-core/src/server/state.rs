@@ -2,11 +2,12 @@
 
 use std::ops::Deref;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::engine::chat_template::ChatTemplate;
 use crate::engine::Engine;
 
+use super::art::Registry;
 use super::batcher::Batcher;
 use super::error::ApiError;
 
@@ -24,6 +25,7 @@ pub struct Shared {
     pub api_key: Option<String>,
     pub default_max_tokens: usize,
     pub art_dir: PathBuf,
+    pub registry: Mutex<Registry>,
 }
 
 impl Deref for AppState {
@@ -51,14 +53,38 @@ impl AppState {
         if self.engine.adapter(requested).is_some() {
             return Ok(Some(requested.to_string()));
         }
+        if self.is_trainable(requested) {
+            // Registered but not trained yet: its policy is the base model.
+            return Ok(None);
+        }
         Err(ApiError::model_not_found(requested, &self.model_ids()))
     }
 
-    /// Every name a request may use, base model first.
+    pub fn is_trainable(&self, name: &str) -> bool {
+        self.registry
+            .lock()
+            .expect("registry lock")
+            .models
+            .contains_key(name)
+    }
+
+    /// Every name a request may use: the base model, trainable models, and their checkpoints.
     pub fn model_ids(&self) -> Vec<String> {
-        std::iter::once(self.base_model.clone())
-            .chain(self.engine.adapter_names())
-            .collect()
+        let mut ids = vec![self.base_model.clone()];
+        ids.extend(
+            self.registry
+                .lock()
+                .expect("registry lock")
+                .models
+                .keys()
+                .cloned(),
+        );
+        for adapter in self.engine.adapter_names() {
+            if !ids.contains(&adapter) {
+                ids.push(adapter);
+            }
+        }
+        ids
     }
 
     pub fn context_length(&self) -> usize {
