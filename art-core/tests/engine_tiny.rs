@@ -46,12 +46,19 @@ impl std::ops::Deref for TempDir {
 fn tiny(arch: Architecture) -> (TempDir, Engine) {
     let dir = TempDir::new("tiny");
     RandomModelSpec::tiny(arch).write(&dir, 42).unwrap();
-    let engine = Engine::load(&ModelSource::HfDir(dir.to_path_buf()), &LoadOptions::default())
-        .unwrap();
+    let engine = Engine::load(
+        &ModelSource::HfDir(dir.to_path_buf()),
+        &LoadOptions::default(),
+    )
+    .unwrap();
     (dir, engine)
 }
 
-const ARCHS: [Architecture; 3] = [Architecture::Qwen2, Architecture::Llama, Architecture::Qwen3];
+const ARCHS: [Architecture; 3] = [
+    Architecture::Qwen2,
+    Architecture::Llama,
+    Architecture::Qwen3,
+];
 
 fn prompts(engine: &Engine) -> Vec<Vec<u32>> {
     [
@@ -92,7 +99,10 @@ fn tiny_models_load_and_generate() {
             vec![CHATML_END_ID]
         );
         let out = engine
-            .generate(vec![request(prompts(&engine)[0].clone(), greedy_ignoring_eos(10))])
+            .generate(vec![request(
+                prompts(&engine)[0].clone(),
+                greedy_ignoring_eos(10),
+            )])
             .unwrap();
         let c = &out[0].completions[0];
         assert_eq!(c.tokens.len(), 10, "{arch:?}");
@@ -109,7 +119,9 @@ fn batched_generation_equals_one_by_one() {
         let alone: Vec<Vec<u32>> = prompts
             .iter()
             .map(|p| {
-                engine.generate(vec![request(p.clone(), greedy_ignoring_eos(24))]).unwrap()[0]
+                engine
+                    .generate(vec![request(p.clone(), greedy_ignoring_eos(24))])
+                    .unwrap()[0]
                     .completions[0]
                     .token_ids()
             })
@@ -139,7 +151,9 @@ fn sequences_join_and_leave_a_running_batch() {
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            engine.generate(vec![request(p.clone(), greedy_ignoring_eos(8 + 4 * i))]).unwrap()[0]
+            engine
+                .generate(vec![request(p.clone(), greedy_ignoring_eos(8 + 4 * i))])
+                .unwrap()[0]
                 .completions[0]
                 .token_ids()
         })
@@ -165,7 +179,11 @@ fn sequences_join_and_leave_a_running_batch() {
         step += 1;
     }
     for (i, id) in ids.iter().enumerate() {
-        assert_eq!(results[id].completions[0].token_ids(), expected[i], "request {i}");
+        assert_eq!(
+            results[id].completions[0].token_ids(),
+            expected[i],
+            "request {i}"
+        );
     }
 }
 
@@ -211,7 +229,12 @@ fn kv_cache_decode_logits_equal_full_forward() {
         for &t in &tokens[5..] {
             let input = Tensor::new(&[[t], [9u32]], model.device()).unwrap();
             let logits = model
-                .forward_cached(&input, &mut [&mut cache, &mut other], Forward::default(), true)
+                .forward_cached(
+                    &input,
+                    &mut [&mut cache, &mut other],
+                    Forward::default(),
+                    true,
+                )
                 .unwrap();
             got.push(logits.narrow(0, 0, 1).unwrap().squeeze(0).unwrap());
         }
@@ -244,7 +267,9 @@ fn seeded_sampling_is_reproducible() {
         ..Default::default()
     };
     let run = |seed| -> Vec<Vec<u32>> {
-        engine.generate(vec![request(prompt.clone(), params(seed))]).unwrap()[0]
+        engine
+            .generate(vec![request(prompt.clone(), params(seed))])
+            .unwrap()[0]
             .completions
             .iter()
             .map(|c| c.token_ids())
@@ -353,7 +378,11 @@ fn logprobs_are_valid_and_match_a_full_forward() {
         let reference = engine.token_logprobs(&all, None).unwrap();
         let reference = &reference[prompt.len() - 1..];
         for (t, r) in c.tokens.iter().zip(reference) {
-            assert!((t.logprob - r).abs() < 1e-4, "{arch:?}: {} vs {r}", t.logprob);
+            assert!(
+                (t.logprob - r).abs() < 1e-4,
+                "{arch:?}: {} vs {r}",
+                t.logprob
+            );
         }
     }
 }
@@ -515,7 +544,13 @@ fn gradients_flow_into_lora_only() {
         .iter()
         .filter(|v| {
             grads.get(v.as_tensor()).is_some_and(|g| {
-                g.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0
+                g.abs()
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+                    > 0.0
             })
         })
         .count();
@@ -527,8 +562,11 @@ fn loads_sharded_safetensors_and_the_hub_cache_layout() {
     let dir = TempDir::new("src");
     let spec = RandomModelSpec::tiny(Architecture::Qwen2);
     spec.write(&dir, 5).unwrap();
-    let single = Engine::load(&ModelSource::HfDir(dir.to_path_buf()), &LoadOptions::default())
-        .unwrap();
+    let single = Engine::load(
+        &ModelSource::HfDir(dir.to_path_buf()),
+        &LoadOptions::default(),
+    )
+    .unwrap();
     let tokens = prompts(&single)[0].clone();
     let expected = logits(&single, &tokens, None);
 
@@ -560,8 +598,11 @@ fn loads_sharded_safetensors_and_the_hub_cache_layout() {
         serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
     )
     .unwrap();
-    let engine = Engine::load(&ModelSource::HfDir(sharded.to_path_buf()), &LoadOptions::default())
-        .unwrap();
+    let engine = Engine::load(
+        &ModelSource::HfDir(sharded.to_path_buf()),
+        &LoadOptions::default(),
+    )
+    .unwrap();
     assert!(max_diff(&expected, &logits(&engine, &tokens, None)) < 1e-6);
 
     // The hub cache: blobs, a snapshot of symlinks, refs/main naming the commit.
@@ -576,7 +617,9 @@ fn loads_sharded_safetensors_and_the_hub_cache_layout() {
     for entry in std::fs::read_dir(&*dir).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_owned();
-        let blob = repo.join("blobs").join(format!("blob-{}", name.to_string_lossy()));
+        let blob = repo
+            .join("blobs")
+            .join(format!("blob-{}", name.to_string_lossy()));
         std::fs::copy(&path, &blob).unwrap();
         std::os::unix::fs::symlink(
             Path::new("../../blobs").join(blob.file_name().unwrap()),
@@ -599,8 +642,13 @@ fn loads_sharded_safetensors_and_the_hub_cache_layout() {
         revision: "main".into(),
         cache_dir: Some(cache.to_path_buf()),
     };
-    let err = Engine::load(&missing, &LoadOptions::default()).err().unwrap();
-    assert!(err.to_string().contains("not in the Hugging Face cache"), "{err}");
+    let err = Engine::load(&missing, &LoadOptions::default())
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string().contains("not in the Hugging Face cache"),
+        "{err}"
+    );
 }
 
 fn candle_core_cpu() -> art_core::engine::Device {
@@ -611,7 +659,10 @@ fn candle_core_cpu() -> art_core::engine::Device {
 fn invalid_requests_are_errors_not_panics() {
     let (_dir, engine) = tiny(Architecture::Llama);
     let bad = |prompt: Vec<u32>, params: SamplingParams| {
-        engine.generate(vec![request(prompt, params)]).unwrap_err().to_string()
+        engine
+            .generate(vec![request(prompt, params)])
+            .unwrap_err()
+            .to_string()
     };
     assert!(bad(vec![], SamplingParams::greedy(1)).contains("prompt is empty"));
     assert!(bad(vec![100_000], SamplingParams::greedy(1)).contains("outside the vocabulary"));
