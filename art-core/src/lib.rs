@@ -21,3 +21,6 @@ pub use types::*;
 
 #[cfg(feature = "engine")]
 pub mod engine;
+
+#[cfg(feature = "train")]
+pub mod train;
