@@ -9,8 +9,8 @@
 //!     --random qwen2.5-0.5b --device cuda --batch 8 --seq 512
 //! ```
 //!
-//! Prints tokens/s and the ratio to a reference (`--reference`, default: PyTorch + transformers
-//! + peft measured on the same CPU for SmolLM2, 262 tok/s; on the GPU, the HF figure for
+//! Prints tokens/s and the ratio to a reference (`--reference`, default: PyTorch with transformers
+//! and peft measured on the same CPU for SmolLM2, 262 tok/s; on the GPU, the HF figure for
 //! Qwen2.5-0.5B from DESIGN.md, 23,779 tok/s).
 
 use std::sync::Arc;
@@ -186,7 +186,7 @@ fn main() {
     let mut rates = Vec::new();
     for iter in 0..=args.iters {
         let t0 = Instant::now();
-        let mut grads = vec![None; named.len()];
+        let mut grads: Vec<Option<art_core::engine::Tensor>> = vec![None; named.len()];
         for mb in &batches {
             let members: Vec<&TrainSequence> =
                 mb.sequences.iter().map(|&i| &sequences[i]).collect();
@@ -203,7 +203,7 @@ fn main() {
             for (slot, (_, var)) in grads.iter_mut().zip(&named) {
                 if let Some(g) = store.get(var.as_tensor()) {
                     *slot = Some(match slot.take() {
-                        Some(acc) => (acc + g).unwrap(),
+                        Some(acc) => acc.add(g).unwrap(),
                         None => g.clone(),
                     });
                 }
