@@ -14,7 +14,8 @@ use std::fs::File;
 use std::io::Cursor;
 use std::path::Path;
 
-use polars::prelude::*;
+use polars_core::prelude::*;
+use polars_io::prelude::*;
 
 use crate::store::history::HistoryEntry;
 use crate::store::metrics::mean_std;
@@ -23,7 +24,7 @@ use crate::types::{
     TrajectoryGroup,
 };
 
-pub use polars::prelude::DataFrame;
+pub use polars_core::frame::DataFrame;
 
 /// Prefix of the columns holding trajectory metrics.
 pub const METRIC_PREFIX: &str = "metric/";

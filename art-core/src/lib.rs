@@ -4,17 +4,22 @@
 //! trainer and server sit behind the `engine`, `train` and `server` features so that notebook cells
 //! link only what they need.
 
+pub mod backend;
 pub mod client;
 #[cfg(feature = "frames")]
 pub mod frames;
+pub mod fsutil;
 pub mod gather;
 #[cfg(feature = "plots")]
 pub mod plots;
 pub mod ruler;
-#[cfg(feature = "frames")]
 pub mod store;
 pub mod types;
 
+pub use backend::{
+    Backend, BackendError, LocalBackend, LocalBackendOptions, ModelInfo, RemoteBackend,
+    TrainableModel,
+};
 pub use client::{ChatEndpoint, ClientError};
 #[cfg(feature = "frames")]
 pub use frames::{groups_frame, history_frame, DataFrame, FrameError};
@@ -27,6 +32,14 @@ pub use plots::{Chart, PlotError};
 pub use ruler::{
     ruler, ruler_score_group, JudgeUsage, RulerError, RulerOptions, RulerScore, RulerVerdict,
 };
-#[cfg(feature = "frames")]
-pub use store::{HistoryEntry, LoggedMetrics, MetricGoal, ModelStore, StoreError};
+pub use store::{
+    default_art_dir, HistoryEntry, LoggedMetrics, MetricGoal, ModelStore, StoreError,
+};
 pub use types::*;
+
+#[cfg(feature = "engine")]
+pub mod engine;
+#[cfg(feature = "server")]
+pub mod server;
+#[cfg(feature = "train")]
+pub mod train;

@@ -1,5 +1,6 @@
 //! Our trajectories parquet read by pyarrow (scripts/check_parquet.py), with the Python given by
-//! ART_TEST_PYTHON. Skipped, saying so, when that Python is not there or lacks pyarrow.
+//! ART_TEST_PYTHON (scripts/test.sh sets it). Skipped, saying so, when ART_TEST_PYTHON is unset;
+//! fails when that Python lacks pyarrow.
 
 #![cfg(feature = "frames")]
 
@@ -21,10 +22,11 @@ fn python_with_pyarrow() -> Option<String> {
         .args(["-c", "import pyarrow"])
         .status()
         .is_ok_and(|s| s.success());
-    if !ok {
-        eprintln!("skipped: {python} cannot import pyarrow");
-        return None;
-    }
+    assert!(
+        ok,
+        "{python} (ART_TEST_PYTHON) cannot import pyarrow: run scripts/setup-python.sh and point \
+         ART_TEST_PYTHON at .venv/bin/python"
+    );
     Some(python)
 }
 

@@ -9,10 +9,15 @@
 //! ```
 //!
 //! Every file is replaced atomically (temp file, fsync, rename), so a crash leaves the previous
-//! state readable. Writes from one process are serialized; two processes logging to the same
-//! model at once are not supported (as in ART).
+//! state readable. Appends to history.jsonl hold an advisory lock (`.history.lock`), so a client
+//! logging rollouts and a local `art serve` appending training metrics do not lose each other's
+//! lines.
+//!
+//! The directory, model.json, history.jsonl and checkpoints need no extra dependency; writing and
+//! reading the trajectories parquet (and [`TrainableModel::log`], which does) needs the `frames`
+//! feature (polars).
 
-mod atomic;
+pub(crate) mod atomic;
 pub(crate) mod history;
 pub mod metrics;
 
@@ -24,7 +29,10 @@ use std::sync::Mutex;
 
 use serde_json::{json, Value};
 
+use crate::backend::{BackendError, TrainableModel};
+#[cfg(feature = "frames")]
 use crate::frames::{self, DataFrame, FrameError};
+#[cfg(feature = "frames")]
 use crate::types::TrajectoryGroup;
 use atomic::{remove_stale_temps, write_atomic, FaultInjector, TEMP_PREFIX};
 pub use history::HistoryEntry;
@@ -33,7 +41,15 @@ pub use metrics::batch_metrics;
 /// The directory ART uses when none is given (relative to the working directory).
 pub const DEFAULT_ART_DIR: &str = ".art";
 
-/// Serializes read-modify-write of history files within this process.
+/// The art directory to use when none is given: `$ART_DIR` when set, else [`DEFAULT_ART_DIR`].
+pub fn default_art_dir() -> PathBuf {
+    std::env::var_os("ART_DIR")
+        .filter(|dir| !dir.is_empty())
+        .map_or_else(|| PathBuf::from(DEFAULT_ART_DIR), PathBuf::from)
+}
+
+/// Serializes read-modify-write of history files within this process (the file lock does it
+/// across processes).
 static HISTORY_LOCK: Mutex<()> = Mutex::new(());
 
 /// What went wrong with a model's directory.
@@ -66,6 +82,9 @@ pub enum StoreError {
          those (with or without a `val/`/`train/` prefix)"
     )]
     MetricNotFound { metric: String, available: String },
+    #[error("could not ask the backend for the model's step: {0}")]
+    Backend(#[from] BackendError),
+    #[cfg(feature = "frames")]
     #[error(transparent)]
     Frame(#[from] FrameError),
 }
@@ -226,6 +245,7 @@ impl ModelStore {
     /// Records a batch of groups as `split` at `step`: writes its trajectories parquet, then
     /// appends its metrics (see [`batch_metrics`]) to history.jsonl. Logging the same split and
     /// step again replaces the parquet and adds a second history line.
+    #[cfg(feature = "frames")]
     pub fn log(
         &self,
         groups: &[TrajectoryGroup],
@@ -238,19 +258,21 @@ impl ModelStore {
         fs::create_dir_all(dir).map_err(io_error("create", dir))?;
         let bytes = frames::trajectories_parquet(groups)?;
         write_atomic(&path, &bytes, &self.faults).map_err(io_error("write", &path))?;
-        let entry = self.log_metrics(split, step, batch_metrics(groups))?;
+        let entry = self.append_history(step, split, batch_metrics(groups))?;
         Ok(LoggedMetrics {
             entry,
             trajectories_path: path,
         })
     }
 
-    /// Appends metrics of `split` at `step` to history.jsonl (what the trainer does with
-    /// `loss`, `grad_norm`, ...).
-    pub fn log_metrics<K: Into<String>>(
+    /// Appends one line to history.jsonl: `metrics` of `split` at `step`, written as ART writes
+    /// them (`{"step": 3, "split": "train", "train/loss": 0.25, ..., "recorded_at": "..."}`).
+    /// What a training step records (`loss`, `grad_norm`, ...) after [`TrainableModel::log`]
+    /// recorded its rollouts. Non-finite values are written as `null`.
+    pub fn append_history<K: Into<String>>(
         &self,
-        split: &str,
         step: u64,
+        split: &str,
         metrics: impl IntoIterator<Item = (K, f64)>,
     ) -> Result<HistoryEntry, StoreError> {
         check_name("split", split)?;
@@ -262,6 +284,15 @@ impl ModelStore {
         };
         let path = self.history_path();
         let _guard = HISTORY_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let lock_path = self.dir.join(".history.lock");
+        let lock = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io_error("open", &lock_path))?;
+        // Released when `lock` is dropped, after the rename.
+        lock.lock().map_err(io_error("lock", &lock_path))?;
         let mut text = match fs::read_to_string(&path) {
             Ok(text) => text,
             Err(e) if e.kind() == io::ErrorKind::NotFound => String::new(),
@@ -301,6 +332,7 @@ impl ModelStore {
     }
 
     /// The history as a DataFrame (see [`frames::history_frame`]).
+    #[cfg(feature = "frames")]
     pub fn history_frame(&self) -> Result<DataFrame, StoreError> {
         Ok(frames::history_frame(&self.history()?)?)
     }
@@ -312,11 +344,13 @@ impl ModelStore {
     }
 
     /// The trajectories logged for `split` at `step`, as the full table.
+    #[cfg(feature = "frames")]
     pub fn read_trajectories(&self, split: &str, step: u64) -> Result<DataFrame, StoreError> {
         Ok(frames::read_parquet(self.trajectories_path(split, step))?)
     }
 
     /// The groups logged for `split` at `step`, rebuilt from their parquet file.
+    #[cfg(feature = "frames")]
     pub fn read_trajectory_groups(
         &self,
         split: &str,
@@ -423,6 +457,31 @@ impl ModelStore {
     #[doc(hidden)]
     pub fn inject_failure_before_rename(&self, file_name: &str) {
         self.faults.arm(file_name);
+    }
+}
+
+/// The client side of ART's storage on a [`TrainableModel`]: its directory under the model's art
+/// dir (`.art` by default, see [`TrainableModel::with_art_dir`]).
+impl TrainableModel {
+    /// This model's directory, `<art_dir>/<project>/models/<name>/` (created when missing).
+    pub fn store(&self) -> Result<ModelStore, StoreError> {
+        ModelStore::open(self.art_dir(), &self.project, &self.name)
+    }
+
+    /// ART's `model.log`: records a batch of groups as `split` ("train", "val", ...) at the
+    /// model's current step, asked from the backend. Writes
+    /// `trajectories/<split>/<step:04>.parquet` and appends to history.jsonl the reward mean and
+    /// std, the mean within-group std (`reward_std_dev`), the exception rate, the mean of every
+    /// trajectory metric and the mean completion tokens (see [`metrics`]). Returns what was
+    /// recorded.
+    #[cfg(feature = "frames")]
+    pub async fn log(
+        &self,
+        groups: &[TrajectoryGroup],
+        split: &str,
+    ) -> Result<LoggedMetrics, StoreError> {
+        let step = self.get_step().await?;
+        self.store()?.log(groups, split, step)
     }
 }
 
