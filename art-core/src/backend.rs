@@ -13,9 +13,11 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::client::ChatEndpoint;
+use crate::store::{HistoryEntry, LoggedMetrics, MetricGoal};
 use crate::types::{
-    CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse, LoraConfig, StepResult,
-    TrainConfig, TrainEvent, TrainProgress, TrajectoryGroup,
+    CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse, HistoryList, LoraConfig,
+    Split, StepResult, TrainConfig, TrainEvent, TrainProgress, TrajectoryGroup,
+    TrajectoryGroupList,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -43,11 +45,6 @@ pub trait Backend: Send + Sync {
     fn api_key(&self) -> Option<&str>;
     /// Something to keep alive while models of this backend are in use (the local child process).
     fn keepalive(&self) -> Option<Arc<dyn Any + Send + Sync>> {
-        None
-    }
-    /// The art dir this backend keeps models in, when it is on this machine: models registered
-    /// on it log to the same tree (see [`TrainableModel::art_dir`]).
-    fn art_dir(&self) -> Option<&Path> {
         None
     }
 }
@@ -192,6 +189,14 @@ impl LocalBackend {
     }
 }
 
+impl LocalBackend {
+    /// The art dir the server keeps its models in (`<art_dir>/<project>/models/<name>/`): open a
+    /// model's directory with [`crate::ModelStore::open`] to read its trajectories files here.
+    pub fn art_dir(&self) -> &Path {
+        &self.art_dir
+    }
+}
+
 impl Backend for LocalBackend {
     fn base_url(&self) -> &str {
         &self.base_url
@@ -205,9 +210,6 @@ impl Backend for LocalBackend {
         Some(self.process.clone())
     }
 
-    fn art_dir(&self) -> Option<&Path> {
-        Some(&self.art_dir)
-    }
 }
 
 fn find_art_binary() -> Result<PathBuf, BackendError> {
@@ -244,8 +246,6 @@ pub struct TrainableModel {
     pub project: String,
     pub base_model: String,
     pub lora: LoraConfig,
-    /// Where `log` writes history and trajectories (see [`TrainableModel::with_art_dir`]).
-    art_dir: PathBuf,
     http: Http,
     _keepalive: Option<Arc<dyn Any + Send + Sync>>,
 }
@@ -257,7 +257,6 @@ impl std::fmt::Debug for TrainableModel {
             .field("project", &self.project)
             .field("base_model", &self.base_model)
             .field("backend", &self.http.base_url)
-            .field("art_dir", &self.art_dir)
             .finish()
     }
 }
@@ -316,24 +315,9 @@ impl TrainableModel {
             project: info.project,
             base_model: info.base_model,
             lora: info.lora,
-            art_dir: backend
-                .art_dir()
-                .map_or_else(crate::store::default_art_dir, Path::to_path_buf),
             http,
             _keepalive: backend.keepalive(),
         })
-    }
-
-    /// Keeps this model's history and trajectories under `art_dir` instead of the default (the
-    /// local backend's art dir, else `$ART_DIR`, else `.art`).
-    pub fn with_art_dir(mut self, art_dir: impl Into<PathBuf>) -> Self {
-        self.art_dir = art_dir.into();
-        self
-    }
-
-    /// The art dir this model logs to: its directory is `<art_dir>/<project>/models/<name>/`.
-    pub fn art_dir(&self) -> &Path {
-        &self.art_dir
     }
 
     /// The chat endpoint for rollouts. Requests name this model, which the server resolves to its
@@ -431,6 +415,7 @@ impl TrainableModel {
     ) -> Result<DeleteCheckpointsResponse, BackendError> {
         let request = DeleteCheckpointsRequest {
             keep: keep.to_vec(),
+            ..Default::default()
         };
         self.http
             .post(
@@ -439,6 +424,96 @@ impl TrainableModel {
             )
             .await
     }
+
+    /// ART's `delete_checkpoints(best_checkpoint_metric)`: deletes every checkpoint except the
+    /// latest and the best by `best_metric` in the model's history (`"val/reward"`; a name
+    /// without a split looks in `val`, then `train`). Higher is better; see
+    /// [`TrainableModel::delete_checkpoints_by`] for metrics where lower is. A metric the history
+    /// never recorded is an error and deletes nothing.
+    pub async fn delete_checkpoints(
+        &self,
+        best_metric: &str,
+    ) -> Result<DeleteCheckpointsResponse, BackendError> {
+        self.delete_checkpoints_by(best_metric, MetricGoal::Maximize, &[])
+            .await
+    }
+
+    /// As [`TrainableModel::delete_checkpoints`], with the metric's direction and more steps to
+    /// keep.
+    pub async fn delete_checkpoints_by(
+        &self,
+        best_metric: &str,
+        goal: MetricGoal,
+        keep: &[u64],
+    ) -> Result<DeleteCheckpointsResponse, BackendError> {
+        let request = DeleteCheckpointsRequest {
+            keep: keep.to_vec(),
+            best_metric: Some(best_metric.to_string()),
+            goal,
+        };
+        self.http
+            .post(
+                &format!("/art/models/{}/checkpoints/delete", self.name),
+                &request,
+            )
+            .await
+    }
+
+    /// ART's `model.log(groups, split)`: records a batch of groups in the model's directory on
+    /// the backend, at the model's current step. The backend writes
+    /// `trajectories/<split>/<step:04>.parquet` (atomically) and appends to history.jsonl the
+    /// reward mean and std, the mean within-group std (`reward_std_dev`), the exception rate,
+    /// the mean of every trajectory metric and the mean completion tokens (see
+    /// [`crate::store::metrics`]). Returns that history entry.
+    pub async fn log(
+        &self,
+        groups: &[TrajectoryGroup],
+        split: impl Into<Split>,
+    ) -> Result<LoggedMetrics, BackendError> {
+        let request = LogRequestRef {
+            trajectory_groups: groups,
+            split: split.into(),
+        };
+        self.http
+            .post(&format!("/art/models/{}/log", self.name), &request)
+            .await
+    }
+
+    /// The model's history.jsonl as the backend has it: what [`TrainableModel::log`] recorded
+    /// and each training step's metrics (`loss`, `grad_norm`, ... in the `train` split), in the
+    /// order they were written. Feed it to `frames::history_frame` or the `plots` charts.
+    pub async fn history(&self) -> Result<Vec<HistoryEntry>, BackendError> {
+        let list: HistoryList = self
+            .http
+            .get(&format!("/art/models/{}/history", self.name))
+            .await?;
+        Ok(list.data)
+    }
+
+    /// The groups logged as `split` at `step`, read back from their trajectories file on the
+    /// backend (for `frames::groups_frame` or a second look at a step's rollouts).
+    pub async fn trajectories(
+        &self,
+        split: impl Into<Split>,
+        step: u64,
+    ) -> Result<Vec<TrajectoryGroup>, BackendError> {
+        let list: TrajectoryGroupList = self
+            .http
+            .get(&format!(
+                "/art/models/{}/trajectories/{}/{step}",
+                self.name,
+                split.into()
+            ))
+            .await?;
+        Ok(list.data)
+    }
+}
+
+/// The log request as sent: borrowed, so a client's groups are not copied.
+#[derive(Serialize)]
+struct LogRequestRef<'a> {
+    trajectory_groups: &'a [TrajectoryGroup],
+    split: Split,
 }
 
 /// The train request as sent: borrowed, so a client's groups are not copied.

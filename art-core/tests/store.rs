@@ -251,11 +251,11 @@ fn checkpoints_are_listed_and_pruned_to_latest_and_best() {
 
     for (step, reward) in [(0, 0.1), (1, 0.9), (2, 0.3), (3, 0.9), (4, 0.2)] {
         store
-            .log_metrics("val", step, [("reward", reward)])
+            .append_history(step, "val", [("reward", reward)])
             .unwrap();
         // Train rewards point elsewhere; val wins when both exist.
         store
-            .log_metrics("train", step, [("reward", 1.0 - reward), ("loss", reward)])
+            .append_history(step, "train", [("reward", 1.0 - reward), ("loss", reward)])
             .unwrap();
     }
     // A misspelt metric deletes nothing.
@@ -287,10 +287,10 @@ fn best_checkpoint_falls_back_to_train_and_can_minimize() {
     let store = ModelStore::open(&art, "p", "m").unwrap();
     make_checkpoints(&store, &[1, 2, 3, 4]);
     for (step, loss) in [(1, 0.5), (2, 0.2), (3, 0.4), (4, 0.6)] {
-        store.log_metrics("train", step, [("loss", loss)]).unwrap();
+        store.append_history(step, "train", [("loss", loss)]).unwrap();
     }
     // Two entries at step 3 are averaged: (0.4 + 0.0) / 2 = 0.2 ties step 2; the later wins.
-    store.log_metrics("train", 3, [("loss", 0.0)]).unwrap();
+    store.append_history(3, "train", [("loss", 0.0)]).unwrap();
     let deleted = store
         .delete_checkpoints("loss", MetricGoal::Minimize)
         .unwrap();

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 pub use crate::backend::{ModelInfo, RegisterRequest};
 use axum::extract::{Path, State};
 
+use crate::store::ModelStore;
 use crate::train::Trainer;
 
 use super::error::{ApiError, ApiJson};
@@ -24,6 +25,8 @@ pub struct Registry {
 pub struct RegisteredModel {
     pub info: ModelInfo,
     pub dir: PathBuf,
+    /// The model's directory as ART lays it out: history.jsonl, trajectories, model.json.
+    pub store: ModelStore,
     /// Held for a whole training step (or a checkpoint deletion): steps of one model queue here.
     pub trainer: Arc<Mutex<Trainer>>,
     /// The trainer's step, readable while a step is running.
@@ -80,11 +83,9 @@ pub async fn register(
     if let Some(existing) = state.registered(&request.name) {
         return reconnect(&existing.info(), &request);
     }
-    let dir = state
-        .art_dir
-        .join(&request.project)
-        .join("models")
-        .join(&request.name);
+    let store = ModelStore::open(&state.art_dir, &request.project, &request.name)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let dir = store.dir().to_path_buf();
     std::fs::create_dir_all(dir.join("checkpoints"))
         .map_err(|e| ApiError::internal(format!("cannot create {}: {e}", dir.display())))?;
     // Loading the latest checkpoint (if any) and serving it takes a moment: off the async threads.
@@ -108,9 +109,9 @@ pub async fn register(
         // A resumed checkpoint's LoRA shape wins over the request's.
         lora: trainer.lora_config().clone(),
     };
-    let model_json = serde_json::to_vec_pretty(&info).expect("model info serializes");
-    crate::fsutil::write_atomic(&dir.join("model.json"), &model_json)
-        .map_err(|e| ApiError::internal(format!("cannot write model.json: {e}")))?;
+    store
+        .set_model_info(serde_json::to_value(&info).expect("model info serializes"))
+        .map_err(|e| ApiError::internal(e.to_string()))?;
     let mut registry = state.registry.lock().expect("registry lock");
     // Another request may have registered the same name meanwhile.
     if let Some(existing) = registry.models.get(&request.name) {
@@ -122,6 +123,7 @@ pub async fn register(
             step: Arc::new(AtomicU64::new(info.step)),
             info: info.clone(),
             dir,
+            store,
             trainer: Arc::new(Mutex::new(trainer)),
         },
     );

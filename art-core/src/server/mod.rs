@@ -5,6 +5,7 @@ mod art;
 mod batcher;
 mod chat;
 mod error;
+mod logging;
 mod state;
 mod training;
 
@@ -115,6 +116,12 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/art/models/{name}/checkpoints/delete",
             post(training::delete_checkpoints),
+        )
+        .route("/art/models/{name}/log", post(logging::log))
+        .route("/art/models/{name}/history", get(logging::history))
+        .route(
+            "/art/models/{name}/trajectories/{split}/{step}",
+            get(logging::trajectories),
         )
         // Training batches of long multi-turn rollouts with logprobs run to many megabytes.
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

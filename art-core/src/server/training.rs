@@ -8,6 +8,7 @@ use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::mpsc;
 
+use crate::store::best_step;
 use crate::train::{checkpoint_metrics, list_checkpoints, TrainError};
 use crate::types::{
     CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse,
@@ -15,6 +16,7 @@ use crate::types::{
 };
 
 use super::error::{ApiError, ApiJson};
+use super::logging::store_error;
 use super::state::AppState;
 
 pub async fn train(
@@ -51,6 +53,16 @@ pub async fn train(
             model
                 .step
                 .store(result.step, std::sync::atomic::Ordering::SeqCst);
+            // The step's metrics go to history.jsonl (split `train`, at the new step) for the
+            // loss and gradient-norm curves. The checkpoint is already written: a history that
+            // cannot be appended to is reported, not a failed step.
+            if let Err(e) =
+                model
+                    .store
+                    .append_history(result.step, "train", result.metrics.history_metrics())
+            {
+                eprintln!("art serve: step {} of `{}`: {e}", result.step, model.info.name);
+            }
         }
         let _ = events.send(outcome.map(TrainEvent::Result));
     });
@@ -126,15 +138,28 @@ pub async fn delete_checkpoints(
     ApiJson(request): ApiJson<DeleteCheckpointsRequest>,
 ) -> Result<ApiJson<DeleteCheckpointsResponse>, ApiError> {
     let model = state.registered_or_404(&name)?;
-    let (deleted, kept) = tokio::task::spawn_blocking(move || {
-        model
+    let outcome = tokio::task::spawn_blocking(move || {
+        let mut trainer = model
             .trainer
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .delete_checkpoints(&request.keep)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // With the trainer held no step can add a checkpoint between choosing and deleting.
+        let mut keep = request.keep.clone();
+        let mut best = None;
+        if let Some(metric) = &request.best_metric {
+            let history = model.store.history().map_err(store_error)?;
+            let steps = list_checkpoints(&model.dir);
+            best = best_step(&history, metric, request.goal, &steps).map_err(store_error)?;
+            keep.extend(best);
+        }
+        let (deleted, kept) = trainer.delete_checkpoints(&keep).map_err(train_error)?;
+        Ok::<_, ApiError>(DeleteCheckpointsResponse {
+            deleted,
+            kept,
+            best_step: best,
+        })
     })
     .await
-    .map_err(|e| ApiError::internal(format!("deleting checkpoints stopped: {e}")))?
-    .map_err(train_error)?;
-    Ok(ApiJson(DeleteCheckpointsResponse { deleted, kept }))
+    .map_err(|e| ApiError::internal(format!("deleting checkpoints stopped: {e}")))??;
+    Ok(ApiJson(outcome))
 }

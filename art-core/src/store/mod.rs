@@ -13,9 +13,13 @@
 //! logging rollouts and a local `art serve` appending training metrics do not lose each other's
 //! lines.
 //!
+//! In the split architecture this directory lives with the backend (`art serve --art-dir`, next
+//! to the checkpoints): `TrainableModel::log` and `history` go through the backend's
+//! `/v1/art/models/{name}/log` and `/history`, which use this module. A notebook with a local
+//! backend may also open the directory itself ([`ModelStore::open`]) to read what was logged.
+//!
 //! The directory, model.json, history.jsonl and checkpoints need no extra dependency; writing and
-//! reading the trajectories parquet (and [`TrainableModel::log`], which does) needs the `frames`
-//! feature (polars).
+//! reading the trajectories parquet needs the `frames` feature (polars), which `server` enables.
 
 pub(crate) mod atomic;
 pub(crate) mod history;
@@ -29,7 +33,6 @@ use std::sync::Mutex;
 
 use serde_json::{json, Value};
 
-use crate::backend::{BackendError, TrainableModel};
 #[cfg(feature = "frames")]
 use crate::frames::{self, DataFrame, FrameError};
 #[cfg(feature = "frames")]
@@ -82,8 +85,6 @@ pub enum StoreError {
          those (with or without a `val/`/`train/` prefix)"
     )]
     MetricNotFound { metric: String, available: String },
-    #[error("could not ask the backend for the model's step: {0}")]
-    Backend(#[from] BackendError),
     #[cfg(feature = "frames")]
     #[error(transparent)]
     Frame(#[from] FrameError),
@@ -98,7 +99,8 @@ fn io_error<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) 
 }
 
 /// Which way is better for the metric that picks the best checkpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum MetricGoal {
     /// Higher is better (rewards, accuracy).
     #[default]
@@ -107,12 +109,13 @@ pub enum MetricGoal {
     Minimize,
 }
 
-/// What [`ModelStore::log`] recorded.
-#[derive(Debug, Clone, PartialEq)]
+/// What [`ModelStore::log`] (and `TrainableModel::log`, through the backend) recorded.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LoggedMetrics {
     /// The line appended to history.jsonl.
     pub entry: HistoryEntry,
-    /// The parquet file the trajectories went to.
+    /// The parquet file the trajectories went to (on the backend's machine when logged through
+    /// one).
     pub trajectories_path: PathBuf,
 }
 
@@ -267,8 +270,8 @@ impl ModelStore {
 
     /// Appends one line to history.jsonl: `metrics` of `split` at `step`, written as ART writes
     /// them (`{"step": 3, "split": "train", "train/loss": 0.25, ..., "recorded_at": "..."}`).
-    /// What a training step records (`loss`, `grad_norm`, ...) after [`TrainableModel::log`]
-    /// recorded its rollouts. Non-finite values are written as `null`.
+    /// What a training step records (`loss`, `grad_norm`, ...) after `model.log` recorded its
+    /// rollouts. Non-finite values are left out (JSON has no NaN).
     pub fn append_history<K: Into<String>>(
         &self,
         step: u64,
@@ -279,7 +282,11 @@ impl ModelStore {
         let entry = HistoryEntry {
             step,
             split: split.to_string(),
-            metrics: metrics.into_iter().map(|(k, v)| (k.into(), v)).collect(),
+            metrics: metrics
+                .into_iter()
+                .map(|(k, v)| (k.into(), v))
+                .filter(|(_, v)| v.is_finite())
+                .collect(),
             recorded_at: Some(history::now_rfc3339()),
         };
         let path = self.history_path();
@@ -376,11 +383,11 @@ impl ModelStore {
         Ok(self.latest_step()?.unwrap_or(0))
     }
 
-    /// Deletes every checkpoint except the latest and the best by `best_metric`, returning the
-    /// deleted steps. The metric is looked up in the `val` split's history, else `train`'s; name
-    /// a split explicitly as ART does (`"val/reward"`). Several entries at one step are averaged;
-    /// among equally good steps the later is kept. Errors, deleting nothing, when no split ever
-    /// logged the metric (a typo would otherwise delete the best checkpoint).
+    /// Deletes every checkpoint except the latest and the best by `best_metric` (see
+    /// [`best_step`]), returning the deleted steps. Errors, deleting nothing, when no split ever
+    /// logged the metric (a typo would otherwise delete the best checkpoint). A backend prunes
+    /// through its trainer instead (which also stops serving what it deletes), with the same
+    /// choice of best step.
     pub fn delete_checkpoints(
         &self,
         best_metric: &str,
@@ -390,56 +397,8 @@ impl ModelStore {
         let Some(&latest) = dirs.keys().last() else {
             return Ok(Vec::new());
         };
-        let history = self.history()?;
-        let (splits, metric): (Vec<&str>, &str) = match best_metric.split_once('/') {
-            Some((split, metric)) => (vec![split], metric),
-            None => (vec!["val", "train"], best_metric),
-        };
-        let logged = |split: &str| {
-            history
-                .iter()
-                .any(|e| e.split == split && e.get(metric).is_some())
-        };
-        let Some(split) = splits.into_iter().find(|s| logged(s)) else {
-            let available: Vec<String> = history
-                .iter()
-                .flat_map(|e| e.metrics.keys().map(move |k| format!("{}/{k}", e.split)))
-                .collect::<std::collections::BTreeSet<_>>()
-                .into_iter()
-                .collect();
-            return Err(StoreError::MetricNotFound {
-                metric: best_metric.to_string(),
-                available: if available.is_empty() {
-                    "nothing yet".into()
-                } else {
-                    available.join(", ")
-                },
-            });
-        };
-        let mut by_step: BTreeMap<u64, (f64, usize)> = BTreeMap::new();
-        for entry in history.iter().filter(|e| e.split == split) {
-            if let (Some(value), true) = (entry.get(metric), dirs.contains_key(&entry.step)) {
-                let sum = by_step.entry(entry.step).or_default();
-                sum.0 += value;
-                sum.1 += 1;
-            }
-        }
-        let score = |&(sum, n): &(f64, usize)| {
-            let mean = sum / n as f64;
-            match goal {
-                MetricGoal::Maximize => mean,
-                MetricGoal::Minimize => -mean,
-            }
-        };
-        // Iterating ascending and keeping ties (>=) keeps the later of equally good steps.
-        let best = by_step
-            .iter()
-            .filter(|(_, s)| !score(s).is_nan())
-            .fold(None::<(u64, f64)>, |best, (&step, s)| match best {
-                Some((_, b)) if score(s) < b => best,
-                _ => Some((step, score(s))),
-            })
-            .map(|(step, _)| step);
+        let steps: Vec<u64> = dirs.keys().copied().collect();
+        let best = best_step(&self.history()?, best_metric, goal, &steps)?;
         let mut deleted = Vec::new();
         for (step, path) in dirs {
             if step == latest || Some(step) == best {
@@ -460,29 +419,66 @@ impl ModelStore {
     }
 }
 
-/// The client side of ART's storage on a [`TrainableModel`]: its directory under the model's art
-/// dir (`.art` by default, see [`TrainableModel::with_art_dir`]).
-impl TrainableModel {
-    /// This model's directory, `<art_dir>/<project>/models/<name>/` (created when missing).
-    pub fn store(&self) -> Result<ModelStore, StoreError> {
-        ModelStore::open(self.art_dir(), &self.project, &self.name)
+/// The best of `steps` by `best_metric` in `history`: ART's `best_checkpoint_metric`. The metric
+/// is looked up in the `val` split, else `train`; name a split explicitly as ART does
+/// (`"val/reward"`). Several entries of the split at one step are averaged; among equally good
+/// steps the later wins. `Ok(None)` when none of `steps` has the metric; an error when no entry
+/// of the history has it at all (most likely a misspelt name).
+pub fn best_step(
+    history: &[HistoryEntry],
+    best_metric: &str,
+    goal: MetricGoal,
+    steps: &[u64],
+) -> Result<Option<u64>, StoreError> {
+    let (splits, metric): (Vec<&str>, &str) = match best_metric.split_once('/') {
+        Some((split, metric)) => (vec![split], metric),
+        None => (vec!["val", "train"], best_metric),
+    };
+    let logged = |split: &str| {
+        history
+            .iter()
+            .any(|e| e.split == split && e.get(metric).is_some())
+    };
+    let Some(split) = splits.into_iter().find(|s| logged(s)) else {
+        let available: Vec<String> = history
+            .iter()
+            .flat_map(|e| e.metrics.keys().map(move |k| format!("{}/{k}", e.split)))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        return Err(StoreError::MetricNotFound {
+            metric: best_metric.to_string(),
+            available: if available.is_empty() {
+                "nothing yet".into()
+            } else {
+                available.join(", ")
+            },
+        });
+    };
+    let mut by_step: BTreeMap<u64, (f64, usize)> = BTreeMap::new();
+    for entry in history.iter().filter(|e| e.split == split) {
+        if let (Some(value), true) = (entry.get(metric), steps.contains(&entry.step)) {
+            let sum = by_step.entry(entry.step).or_default();
+            sum.0 += value;
+            sum.1 += 1;
+        }
     }
-
-    /// ART's `model.log`: records a batch of groups as `split` ("train", "val", ...) at the
-    /// model's current step, asked from the backend. Writes
-    /// `trajectories/<split>/<step:04>.parquet` and appends to history.jsonl the reward mean and
-    /// std, the mean within-group std (`reward_std_dev`), the exception rate, the mean of every
-    /// trajectory metric and the mean completion tokens (see [`metrics`]). Returns what was
-    /// recorded.
-    #[cfg(feature = "frames")]
-    pub async fn log(
-        &self,
-        groups: &[TrajectoryGroup],
-        split: &str,
-    ) -> Result<LoggedMetrics, StoreError> {
-        let step = self.get_step().await?;
-        self.store()?.log(groups, split, step)
-    }
+    let score = |&(sum, n): &(f64, usize)| {
+        let mean = sum / n as f64;
+        match goal {
+            MetricGoal::Maximize => mean,
+            MetricGoal::Minimize => -mean,
+        }
+    };
+    // Iterating ascending and keeping ties (>=) keeps the later of equally good steps.
+    Ok(by_step
+        .iter()
+        .filter(|(_, s)| !score(s).is_nan())
+        .fold(None::<(u64, f64)>, |best, (&step, s)| match best {
+            Some((_, b)) if score(s) < b => best,
+            _ => Some((step, score(s))),
+        })
+        .map(|(step, _)| step))
 }
 
 /// Entries of `dir` named `<digits><suffix>` (temp files skipped), by number.

@@ -2,6 +2,7 @@
 
 mod choice;
 mod config;
+mod logging;
 mod message;
 mod openai;
 mod training;
@@ -9,6 +10,7 @@ mod trajectory;
 
 pub use choice::{Choice, ChoiceLogprobs, TokenLogprob, TopLogprob};
 pub use config::{ImportanceSamplingLevel, InvalidConfig, LoraConfig, TrainConfig};
+pub use logging::{HistoryList, LogRequest, Split, TrajectoryGroupList};
 pub use message::{
     AssistantMessage, Content, ContentPart, FunctionCall, FunctionDefinition, ImageUrl, Message,
     SystemMessage, Tool, ToolCall, ToolMessage, UserMessage,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use super::{TrainConfig, TrajectoryGroup};
+use crate::store::MetricGoal;
 
 /// Progress of a step, reported after each micro-batch (for streaming as NDJSON).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -73,6 +74,20 @@ impl StepMetrics {
     }
 }
 
+impl StepMetrics {
+    /// What a training step appends to the model's history.jsonl (split `train`, at the new
+    /// step): [`StepMetrics::to_map`] without `reward`, `reward_std` and `num_trajectories`, which
+    /// describe the batch trained on and were recorded by `model.log` when it was rolled out (the
+    /// history's `train/reward` stays the rollouts' reward, not counted twice).
+    pub fn history_metrics(&self) -> std::collections::BTreeMap<String, f64> {
+        let mut map = self.to_map();
+        for batch_metric in ["reward", "reward_std", "num_trajectories"] {
+            map.remove(batch_metric);
+        }
+        map
+    }
+}
+
 /// The outcome of [`Trainer::train`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepResult {
@@ -124,10 +139,20 @@ pub struct CheckpointList {
 }
 
 /// `POST /v1/art/models/{name}/checkpoints/delete`: delete every checkpoint except these steps
-/// (the latest is always kept, it is what the model resumes from).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// (the latest is always kept, it is what the model resumes from) and, when `best_metric` is
+/// set, the best step by that metric in the model's history.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct DeleteCheckpointsRequest {
+    #[serde(default)]
     pub keep: Vec<u64>,
+    /// A history metric, ART-style: `"val/reward"`, or `"reward"` (the `val` split's, else
+    /// `train`'s). Among the steps that have a checkpoint, the best one is kept. A metric the
+    /// history never recorded is a 400 and deletes nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub best_metric: Option<String>,
+    /// Whether higher (default) or lower values of `best_metric` are better.
+    #[serde(default)]
+    pub goal: MetricGoal,
 }
 
 /// What a delete removed and what is left.
@@ -135,4 +160,7 @@ pub struct DeleteCheckpointsRequest {
 pub struct DeleteCheckpointsResponse {
     pub deleted: Vec<u64>,
     pub kept: Vec<u64>,
+    /// The step kept as the best by `best_metric` (none asked, or no checkpointed step has it).
+    #[serde(default)]
+    pub best_step: Option<u64>,
 }

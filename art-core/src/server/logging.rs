@@ -1,0 +1,92 @@
+//! The model's record on the backend: `POST /v1/art/models/{name}/log` (ART's `model.log`),
+//! `GET /v1/art/models/{name}/history` and `GET /v1/art/models/{name}/trajectories/{split}/{step}`.
+//! Everything is written through [`crate::store::ModelStore`] into the model's directory under the
+//! server's art dir, next to its checkpoints.
+
+use std::sync::atomic::Ordering;
+
+use axum::extract::{Path, State};
+
+use crate::store::{LoggedMetrics, StoreError};
+use crate::types::{HistoryList, LogRequest, TrajectoryGroupList};
+
+use super::error::{ApiError, ApiJson};
+use super::state::AppState;
+
+/// A store error as an HTTP answer: bad names are the client's, the rest the server's.
+pub fn store_error(e: StoreError) -> ApiError {
+    match &e {
+        StoreError::InvalidName { what, .. } => ApiError::invalid_param(what, e.to_string()),
+        StoreError::MetricNotFound { .. } => ApiError::invalid_param("best_metric", e.to_string()),
+        _ => ApiError::internal(e.to_string()),
+    }
+}
+
+/// Records the groups as the request's split at the model's current step: the trajectories
+/// parquet, then one history line with the batch's metrics (returned).
+pub async fn log(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    ApiJson(request): ApiJson<LogRequest>,
+) -> Result<ApiJson<LoggedMetrics>, ApiError> {
+    let model = state.registered_or_404(&name)?;
+    let split = request.split.to_string();
+    check_split(&split)?;
+    let step = model.step.load(Ordering::SeqCst);
+    let logged = tokio::task::spawn_blocking(move || {
+        model.store.log(&request.trajectory_groups, &split, step)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("logging stopped: {e}")))?
+    .map_err(store_error)?;
+    Ok(ApiJson(logged))
+}
+
+pub async fn history(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<ApiJson<HistoryList>, ApiError> {
+    let model = state.registered_or_404(&name)?;
+    let data = tokio::task::spawn_blocking(move || model.store.history())
+        .await
+        .map_err(|e| ApiError::internal(format!("reading the history stopped: {e}")))?
+        .map_err(store_error)?;
+    Ok(ApiJson(HistoryList { data }))
+}
+
+pub async fn trajectories(
+    State(state): State<AppState>,
+    Path((name, split, step)): Path<(String, String, u64)>,
+) -> Result<ApiJson<TrajectoryGroupList>, ApiError> {
+    let model = state.registered_or_404(&name)?;
+    check_split(&split)?;
+    if !model.store.trajectories_path(&split, step).is_file() {
+        return Err(ApiError::not_found(format!(
+            "nothing was logged for `{name}` as `{split}` at step {step} (logged steps: {:?})",
+            model.store.trajectory_steps(&split).unwrap_or_default()
+        )));
+    }
+    let data =
+        tokio::task::spawn_blocking(move || model.store.read_trajectory_groups(&split, step))
+            .await
+            .map_err(|e| ApiError::internal(format!("reading trajectories stopped: {e}")))?
+            .map_err(store_error)?;
+    Ok(ApiJson(TrajectoryGroupList { data }))
+}
+
+/// Splits become directory names: the same rule as model names.
+fn check_split(split: &str) -> Result<(), ApiError> {
+    let ok = !split.is_empty()
+        && split.len() <= 64
+        && split
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid_param(
+            "split",
+            format!("`{split}` is not a valid split: use 1 to 64 letters, digits, '-' or '_'"),
+        ))
+    }
+}
