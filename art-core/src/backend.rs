@@ -209,7 +209,6 @@ impl Backend for LocalBackend {
     fn keepalive(&self) -> Option<Arc<dyn Any + Send + Sync>> {
         Some(self.process.clone())
     }
-
 }
 
 fn find_art_binary() -> Result<PathBuf, BackendError> {

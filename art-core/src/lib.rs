@@ -32,9 +32,7 @@ pub use plots::{Chart, PlotError};
 pub use ruler::{
     ruler, ruler_score_group, JudgeUsage, RulerError, RulerOptions, RulerScore, RulerVerdict,
 };
-pub use store::{
-    default_art_dir, HistoryEntry, LoggedMetrics, MetricGoal, ModelStore, StoreError,
-};
+pub use store::{default_art_dir, HistoryEntry, LoggedMetrics, MetricGoal, ModelStore, StoreError};
 pub use types::*;
 
 #[cfg(feature = "engine")]

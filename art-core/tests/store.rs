@@ -202,7 +202,8 @@ fn a_failure_between_temp_and_rename_leaves_the_previous_state_readable() {
     assert_eq!(store.read_trajectory_groups("train", 0).unwrap(), batch);
     assert_eq!(fs::read(store.history_path()).unwrap(), history_before);
 
-    // The temp files of the failed writes are there, as after a crash, and are ignored...
+    // The temp files of the failed writes are there, as after a crash, and are ignored (the
+    // model dir also holds `.history.lock`, which stays)...
     let temps = |dir: &std::path::Path| {
         fs::read_dir(dir)
             .unwrap()
@@ -211,7 +212,7 @@ fn a_failure_between_temp_and_rename_leaves_the_previous_state_readable() {
                     .unwrap()
                     .file_name()
                     .to_string_lossy()
-                    .starts_with('.')
+                    .starts_with(".tmp-")
             })
             .count()
     };
@@ -287,7 +288,9 @@ fn best_checkpoint_falls_back_to_train_and_can_minimize() {
     let store = ModelStore::open(&art, "p", "m").unwrap();
     make_checkpoints(&store, &[1, 2, 3, 4]);
     for (step, loss) in [(1, 0.5), (2, 0.2), (3, 0.4), (4, 0.6)] {
-        store.append_history(step, "train", [("loss", loss)]).unwrap();
+        store
+            .append_history(step, "train", [("loss", loss)])
+            .unwrap();
     }
     // Two entries at step 3 are averaged: (0.4 + 0.0) / 2 = 0.2 ties step 2; the later wins.
     store.append_history(3, "train", [("loss", 0.0)]).unwrap();

@@ -95,7 +95,10 @@ async fn model_log_history_plots_and_best_checkpoints_through_the_backend() {
     // Step 0: rollouts logged as train.
     let train_groups = gather(&model, 0).await;
     let logged = model.log(&train_groups, Split::Train).await.unwrap();
-    assert_eq!((logged.entry.step, logged.entry.split.as_str()), (0, "train"));
+    assert_eq!(
+        (logged.entry.step, logged.entry.split.as_str()),
+        (0, "train")
+    );
     assert_eq!(
         logged.trajectories_path,
         model_dir.join("trajectories/train/0000.parquet")
@@ -113,7 +116,14 @@ async fn model_log_history_plots_and_best_checkpoints_through_the_backend() {
     let tokens: Vec<usize> = train_groups
         .iter()
         .flat_map(|g| &g.trajectories)
-        .map(|t| t.choices().next().unwrap().sampled_token_ids().unwrap().len())
+        .map(|t| {
+            t.choices()
+                .next()
+                .unwrap()
+                .sampled_token_ids()
+                .unwrap()
+                .len()
+        })
         .collect();
     assert!(tokens.iter().all(|&n| (1..=6).contains(&n)), "{tokens:?}");
     close(
@@ -133,7 +143,10 @@ async fn model_log_history_plots_and_best_checkpoints_through_the_backend() {
             .log(&scored(&val_groups, val_reward), "val")
             .await
             .unwrap();
-        assert_eq!((logged.entry.step, logged.entry.split.as_str()), (step, "val"));
+        assert_eq!(
+            (logged.entry.step, logged.entry.split.as_str()),
+            (step, "val")
+        );
         close(logged.get(metrics::REWARD), val_reward);
     }
 
@@ -156,7 +169,9 @@ async fn model_log_history_plots_and_best_checkpoints_through_the_backend() {
     for step_entry in [&history[1], &history[3], &history[5]] {
         assert!(step_entry.get("loss").is_some_and(f64::is_finite));
         assert!(step_entry.get("grad_norm").is_some_and(|g| g > 0.0));
-        assert!(step_entry.get("num_trainable_tokens").is_some_and(|n| n > 0.0));
+        assert!(step_entry
+            .get("num_trainable_tokens")
+            .is_some_and(|n| n > 0.0));
         // The batch's reward was logged with its rollouts, not again by the step.
         assert_eq!(step_entry.get(metrics::REWARD), None);
     }
@@ -190,13 +205,23 @@ async fn model_log_history_plots_and_best_checkpoints_through_the_backend() {
     let reward = frame.column("reward").unwrap().f64().unwrap();
     assert_eq!(reward.get(0), Some(0.25));
     assert_eq!(reward.get(2), Some(0.9));
-    assert!(frame.column("loss").unwrap().f64().unwrap().get(1).is_some());
+    assert!(frame
+        .column("loss")
+        .unwrap()
+        .f64()
+        .unwrap()
+        .get(1)
+        .is_some());
     let chart = reward_chart(&history);
     assert_eq!(chart.series().len(), 2, "train and val");
     let (width, height, pixels) = png_pixels(&chart.to_png().unwrap());
     assert_eq!((width, height), (720, 400));
     let non_white = pixels.iter().filter(|p| **p != [255, 255, 255]).count();
-    assert!(non_white * 100 > pixels.len(), "{non_white} of {}", pixels.len());
+    assert!(
+        non_white * 100 > pixels.len(),
+        "{non_white} of {}",
+        pixels.len()
+    );
     assert!(near(&pixels, [31, 119, 180]) > 50, "no train line (blue)");
     assert!(near(&pixels, [255, 127, 14]) > 50, "no val line (orange)");
     let (_, _, pixels) = png_pixels(&training_chart(&history).to_png().unwrap());
@@ -208,7 +233,8 @@ async fn model_log_history_plots_and_best_checkpoints_through_the_backend() {
         matches!(&typo, BackendError::Api { status: 400, message, .. } if message.contains("val/reward")),
         "{typo}"
     );
-    let steps = |list: art_core::CheckpointList| list.data.iter().map(|c| c.step).collect::<Vec<_>>();
+    let steps =
+        |list: art_core::CheckpointList| list.data.iter().map(|c| c.step).collect::<Vec<_>>();
     assert_eq!(steps(model.checkpoints().await.unwrap()), [1, 2, 3]);
     let pruned = model.delete_checkpoints("val/reward").await.unwrap();
     assert_eq!(pruned.deleted, [2]);

@@ -61,7 +61,10 @@ pub async fn train(
                     .store
                     .append_history(result.step, "train", result.metrics.history_metrics())
             {
-                eprintln!("art serve: step {} of `{}`: {e}", result.step, model.info.name);
+                eprintln!(
+                    "art serve: step {} of `{}`: {e}",
+                    result.step, model.info.name
+                );
             }
         }
         let _ = events.send(outcome.map(TrainEvent::Result));
