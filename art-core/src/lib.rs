@@ -29,3 +29,5 @@ pub use types::*;
 pub mod engine;
 #[cfg(feature = "server")]
 pub mod server;
+#[cfg(feature = "train")]
+pub mod train;

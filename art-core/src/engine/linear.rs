@@ -1,10 +1,10 @@
 //! A linear layer whose base weight is frozen, kept dense (for training and reference) and,
 //! for GGUF files, also quantized (for fast CPU inference).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Storage, Tensor};
 
 use super::error::Result;
 use super::lora::LoraPair;
@@ -90,6 +90,7 @@ impl Linear {
         let x2 = x.reshape((rows, in_dim))?;
         let mut y = match (&self.quantized, quantized) {
             (Some(q), true) => q.forward(&x2)?,
+            _ if x2.track_op() => frozen_matmul(&x2, &self.weight)?,
             _ => x2.matmul(&self.weight.t()?)?,
         };
         if let Some(b) = &self.bias {
@@ -104,6 +105,93 @@ impl Linear {
         let mut out_dims = dims;
         *out_dims.last_mut().unwrap() = self.out_features();
         Ok(y.reshape(out_dims)?)
+    }
+
+    /// The adapter's update alone, `scale * (x A^T) B^T`, shaped like the layer's output.
+    pub(crate) fn lora_delta(
+        x: &Tensor,
+        pair: &LoraPair,
+        train: bool,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let in_dim = *dims.last().expect("linear input has at least one dim");
+        let x2 = x.reshape((x.elem_count() / in_dim.max(1), in_dim))?;
+        let (a, b) = pair.tensors(train);
+        let (a, b) = (a.to_dtype(x.dtype())?, b.to_dtype(x.dtype())?);
+        let delta = (x2.matmul(&a.t()?)?.matmul(&b.t()?)? * scale)?;
+        let mut out_dims = dims;
+        *out_dims.last_mut().unwrap() = b.dims()[0];
+        Ok(delta.reshape(out_dims)?)
+    }
+}
+
+/// `x W^T` for a frozen `W` inside an autograd graph. A plain matmul would make backward compute
+/// the gradient of `W` too (candle computes gradients for every argument of a tracked op), which
+/// for a LoRA-only trainer is a third of all its matmul work thrown away. Here the product is
+/// computed without a graph and attached to `x` through a custom op whose backward is only
+/// `grad_x = grad_y W`.
+fn frozen_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let y = x.detach().matmul(&weight.t()?)?;
+    let (storage, layout) = y.storage_and_layout();
+    let output = storage.try_clone(layout)?;
+    let op = FrozenMatmul {
+        weight: weight.clone(),
+        shape: y.shape().clone(),
+        output: Mutex::new(Some(output)),
+    };
+    drop(storage);
+    Ok(x.apply_op1(op)?)
+}
+
+struct FrozenMatmul {
+    /// `[out, in]`.
+    weight: Tensor,
+    shape: Shape,
+    /// The product, computed before the op is applied; taken by the forward.
+    output: Mutex<Option<Storage>>,
+}
+
+impl FrozenMatmul {
+    fn take(&self) -> candle_core::Result<Storage> {
+        self.output
+            .lock()
+            .expect("frozen matmul lock")
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("frozen matmul applied twice".into()))
+    }
+}
+
+impl CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-matmul"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        match self.take()? {
+            Storage::Cpu(s) => Ok((s, self.shape.clone())),
+            _ => Err(candle_core::Error::Msg(
+                "frozen matmul: device mismatch".into(),
+            )),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        match self.take()? {
+            Storage::Cuda(s) => Ok((s, self.shape.clone())),
+            _ => Err(candle_core::Error::Msg(
+                "frozen matmul: device mismatch".into(),
+            )),
+        }
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(grad.matmul(&self.weight)?))
     }
 }
 

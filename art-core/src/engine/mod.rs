@@ -20,6 +20,7 @@
 
 pub mod chat_template;
 mod config;
+mod constraint;
 mod error;
 pub mod hub;
 mod linear;
@@ -34,13 +35,14 @@ pub mod tool_calls;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 
 /// The tensor library the engine is built on, for callers that need more of it (the trainer).
 pub use candle_core as candle;
 pub use candle_core::{DType, Device, Tensor, Var};
 pub use candle_nn;
 pub use config::{Architecture, ModelConfig};
+pub use constraint::Constraint;
 pub use error::{EngineError, Result};
 pub use linear::Linear;
 pub use load::{load, LoadOptions, LoadedModel, ModelSource};
@@ -63,6 +65,8 @@ pub struct Engine {
     name: String,
     adapters: RwLock<HashMap<String, Arc<LoraAdapter>>>,
     use_quantized: AtomicBool,
+    /// Built on the first constrained request (see [`Engine::prepare_constraints`]).
+    constraints: OnceLock<std::result::Result<constraint::ConstraintCompiler, String>>,
 }
 
 impl Engine {
@@ -81,6 +85,7 @@ impl Engine {
             name: loaded.name,
             adapters: RwLock::new(HashMap::new()),
             use_quantized: AtomicBool::new(false),
+            constraints: OnceLock::new(),
         }
     }
 
@@ -190,6 +195,30 @@ impl Engine {
             .collect();
         names.sort();
         names
+    }
+
+    /// Builds the token trie that constrained decoding needs (done once, on the first constrained
+    /// request otherwise; ~0.1-1 s for a large vocabulary). Fails when the tokenizer cannot
+    /// support it (neither byte-level BPE nor byte-fallback).
+    pub fn prepare_constraints(&self) -> Result<()> {
+        self.constraint_compiler().map(|_| ())
+    }
+
+    fn constraint_compiler(&self) -> Result<&constraint::ConstraintCompiler> {
+        self.constraints
+            .get_or_init(|| {
+                constraint::ConstraintCompiler::new(
+                    &self.tokenizer,
+                    self.config().vocab_size,
+                    self.eos_token_ids(),
+                )
+            })
+            .as_ref()
+            .map_err(|e| {
+                EngineError::InvalidRequest(format!(
+                    "constrained decoding is unavailable for this model: {e}"
+                ))
+            })
     }
 
     /// A scheduler for step-wise, continuously batched generation on this engine.

@@ -39,7 +39,18 @@ impl<'a> Forward<'a> {
 
     fn linear(&self, lin: &Linear, x: &Tensor, layer: usize, proj: Proj) -> Result<Tensor> {
         let (lora, scale) = self.lora(layer, proj);
-        lin.forward(x, self.quantized, lora, scale)
+        let dropout = self.adapter.map_or(0.0, |a| a.config().dropout);
+        match lora {
+            // LoRA dropout (training only): the adapter branch sees a dropped-out input, the
+            // frozen base the whole input, as in PEFT.
+            Some((pair, true)) if dropout > 0.0 => {
+                let y = lin.forward(x, self.quantized, None, 0.0)?;
+                let dropped = candle_nn::ops::dropout(x, dropout as f32)?;
+                let delta = Linear::lora_delta(&dropped, pair, true, scale)?;
+                Ok((y + delta)?)
+            }
+            _ => lin.forward(x, self.quantized, lora, scale),
+        }
     }
 }
 
@@ -55,8 +66,8 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if x.track_op() {
-            // The fused kernel has no backward pass.
+        if x.track_op() || x.dtype() == DType::F64 {
+            // The fused kernel has no backward pass (nor an f64 version).
             Ok(candle_nn::ops::rms_norm_slow(
                 x,
                 &self.weight,
@@ -547,6 +558,29 @@ impl Model {
     /// position 0. Rows may be right-padded: a causal model's outputs at real positions do not
     /// depend on later padding.
     pub fn forward_full(&self, input_ids: &Tensor, fwd: Forward) -> Result<Tensor> {
+        let x = self.forward_layers(input_ids, &fwd)?;
+        self.head(&x, &fwd)
+    }
+
+    /// The final hidden states `[B, L, hidden]` (after the last norm, in the model's dtype) for
+    /// sequences that start at position 0, as [`Model::forward_full`] computes them before the
+    /// language-model head. A trainer applies [`Model::logits`] to the positions it needs only.
+    pub fn forward_hidden(&self, input_ids: &Tensor, fwd: Forward) -> Result<Tensor> {
+        let x = self.forward_layers(input_ids, &fwd)?;
+        self.norm.forward(&x)
+    }
+
+    /// The language-model head on final hidden states `[..., hidden]` -> logits `[..., vocab]`,
+    /// in the model's dtype (f32 for f32 and f64 models) or f32 for half-precision models.
+    pub fn logits(&self, hidden: &Tensor, fwd: Forward) -> Result<Tensor> {
+        let logits = self.lm_head.forward(hidden, fwd.quantized, None, 0.0)?;
+        Ok(match logits.dtype() {
+            DType::F64 | DType::F32 => logits,
+            _ => logits.to_dtype(DType::F32)?,
+        })
+    }
+
+    fn forward_layers(&self, input_ids: &Tensor, fwd: &Forward) -> Result<Tensor> {
         self.check_ids(input_ids)?;
         let (b, l) = input_ids.dims2()?;
         let rope = self
@@ -554,9 +588,9 @@ impl Model {
             .tables(&vec![0; b], l, self.dtype, &self.device)?;
         let mut x = self.embed(input_ids)?;
         for layer in &self.layers {
-            x = layer.forward(&x, &rope, None, &fwd)?;
+            x = layer.forward(&x, &rope, None, fwd)?;
         }
-        self.head(&x, &fwd)
+        Ok(x)
     }
 
     /// Runs `input_ids` (`[B, L]`) where row `b` continues the sequence cached in `caches[b]`,

@@ -6,9 +6,13 @@
 //! temperature is applied, top-k / top-p truncation is not. With `temperature == 0` (greedy)
 //! it is the log-softmax of the raw logits. `top_logprobs` come from the same distribution.
 //! At temperature 1 this is exactly what the trainer's own forward computes for the token.
+//! Under a [`Constraint`] the logits of disallowed tokens are -inf before the sampler sees them,
+//! so the log-probabilities are those of the masked distribution (see [`super::constraint`]).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+use super::constraint::Constraint;
 
 /// How to sample one completion (OpenAI's request fields).
 #[derive(Debug, Clone, PartialEq)]
@@ -34,7 +38,11 @@ pub struct SamplingParams {
     /// How many of the most likely alternatives to report per token (0..=20 in OpenAI's API).
     pub top_logprobs: usize,
     /// Keep generating past the model's end-of-sequence ids (until `max_tokens` or a stop).
+    /// Ignored under a `constraint`, which decides where the completion ends.
     pub ignore_eos: bool,
+    /// Structured output: every completion must match this (JSON schema, JSON object, Lark
+    /// grammar, regex). Checked when the request is added.
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for SamplingParams {
@@ -51,6 +59,7 @@ impl Default for SamplingParams {
             logprobs: false,
             top_logprobs: 0,
             ignore_eos: false,
+            constraint: None,
         }
     }
 }
@@ -155,6 +164,8 @@ impl Sampler {
             top_k_indices(logits, self.params.top_logprobs)
                 .into_iter()
                 .map(|i| (i as u32, logprob(i)))
+                // Tokens masked out by a constraint (-inf) are not alternatives.
+                .filter(|(_, lp)| lp.is_finite())
                 .collect()
         } else {
             Vec::new()

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
+use super::constraint::{CompiledConstraint, Guide};
 use super::error::{EngineError, Result};
 use super::lora::LoraAdapter;
 use super::model::{Forward, KvCache};
@@ -98,11 +99,15 @@ struct Sequence {
     sampler: Sampler,
     adapter: Option<Arc<LoraAdapter>>,
     finish: Option<(FinishReason, String)>,
+    /// The matcher of the request's constraint, if it has one.
+    guide: Option<Guide>,
 }
 
 struct Pending {
     prompt_tokens: usize,
     completions: Vec<Option<Completion>>,
+    /// The compiled constraint, until the request starts.
+    constraint: Option<CompiledConstraint>,
 }
 
 /// Sequences in flight on one engine. See the module docs.
@@ -131,7 +136,8 @@ impl<'e> Scheduler<'e> {
     }
 
     /// Queues a request; it starts on the next step. Fails at once on an invalid request
-    /// (empty or too long prompt, bad sampling parameters, unknown adapter, bad token id).
+    /// (empty or too long prompt, bad sampling parameters, unknown adapter, bad token id, a
+    /// constraint that does not compile).
     pub fn add(&mut self, request: GenerationRequest) -> Result<RequestId> {
         let config = self.engine.config();
         if request.prompt.is_empty() {
@@ -169,6 +175,10 @@ impl<'e> Scheduler<'e> {
                 ))
             })?),
         };
+        let constraint = match &request.params.constraint {
+            None => None,
+            Some(c) => Some(self.engine.constraint_compiler()?.compile(c)?),
+        };
         let id = self.next_id;
         self.next_id += 1;
         self.pending.insert(
@@ -176,6 +186,7 @@ impl<'e> Scheduler<'e> {
             Pending {
                 prompt_tokens: request.prompt.len(),
                 completions: vec![None; request.params.n],
+                constraint,
             },
         );
         self.waiting.push_back((id, request, adapter));
@@ -247,6 +258,7 @@ impl<'e> Scheduler<'e> {
             let logits = model.forward_cached(&input, &mut [&mut cache], fwd, true)?;
             let row: Vec<f32> = logits.flatten_all()?.to_vec1()?;
             let n = request.params.n;
+            let constraint = self.pending.get_mut(&id).and_then(|p| p.constraint.take());
             for index in 0..n {
                 let cache = if index + 1 == n {
                     std::mem::take(&mut cache)
@@ -262,9 +274,10 @@ impl<'e> Scheduler<'e> {
                     sampler: Sampler::new(request.params.clone(), index),
                     adapter: adapter.clone(),
                     finish: None,
+                    guide: constraint.as_ref().map(CompiledConstraint::start),
                 };
-                let token = seq.sampler.sample(&row);
-                events.push(self.engine.accept(&mut seq, token));
+                self.engine
+                    .sample_and_accept(&mut seq, &mut row.clone(), events);
                 self.running.push(seq);
             }
         }
@@ -312,10 +325,9 @@ impl<'e> Scheduler<'e> {
                 model.forward_cached(&input, &mut caches, fwd, true)?
             };
             let rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
-            for (&i, row) in members.iter().zip(rows) {
-                let seq = &mut self.running[i];
-                let token = seq.sampler.sample(&row);
-                events.push(self.engine.accept(seq, token));
+            for (&i, mut row) in members.iter().zip(rows) {
+                self.engine
+                    .sample_and_accept(&mut self.running[i], &mut row, events);
             }
         }
         Ok(())
@@ -358,13 +370,45 @@ impl<'e> Scheduler<'e> {
 }
 
 impl Engine {
+    /// Samples `seq`'s next token from its logits `row` (masked first by its constraint, if any)
+    /// and records it. A constrained sequence whose grammar admits nothing more also gets an
+    /// end-of-sequence token (logprob 0: it was the only allowed token), room permitting.
+    fn sample_and_accept(&self, seq: &mut Sequence, row: &mut [f32], events: &mut Vec<TokenEvent>) {
+        if let Some(guide) = &mut seq.guide {
+            guide.mask(row);
+        }
+        let token = seq.sampler.sample(row);
+        if let Some(guide) = &mut seq.guide {
+            guide.advance(token.id);
+        }
+        events.push(self.accept(seq, token));
+        if seq.finish.is_some() {
+            return;
+        }
+        if let Some(eos) = seq.guide.as_ref().and_then(Guide::end_token) {
+            let top_logprobs = if seq.sampler.params().top_logprobs > 0 {
+                vec![(eos, 0.0)]
+            } else {
+                Vec::new()
+            };
+            let token = SampledToken {
+                id: eos,
+                logprob: 0.0,
+                top_logprobs,
+            };
+            events.push(self.accept(seq, token));
+        }
+    }
+
     /// Records a sampled token on `seq` and decides whether the sequence is done.
     fn accept(&self, seq: &mut Sequence, token: SampledToken) -> TokenEvent {
         let params = seq.sampler.params();
         let id = token.id;
         seq.generated.push(token.clone());
         seq.next_input = id;
-        let is_stop_id = (!params.ignore_eos && self.eos_token_ids().contains(&id))
+        // A constraint decides where the completion ends, so `ignore_eos` does not apply to it.
+        let eos_stops = !params.ignore_eos || seq.guide.is_some();
+        let is_stop_id = (eos_stops && self.eos_token_ids().contains(&id))
             || params.stop_token_ids.contains(&id);
         let ids: Vec<u32> = seq.generated.iter().map(|t| t.id).collect();
         let text_ids = if is_stop_id {
@@ -394,7 +438,13 @@ impl Engine {
         }
         let context_full = seq.cache.len() + 1 >= self.config().max_position_embeddings;
         if finish.is_none() && (seq.generated.len() >= params.max_tokens || context_full) {
-            finish = Some(FinishReason::Length);
+            // A grammar completed on the last allowed token is a stop, not a cut.
+            let complete = seq.guide.as_ref().is_some_and(Guide::is_complete);
+            finish = Some(if complete {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            });
         }
         if let Some(reason) = finish {
             let text = match text {

@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use crate::engine::chat_template::RenderOptions;
 use crate::engine::tool_calls::{json_object_instructions, ParsedCompletion, ToolCallFormat};
 use crate::engine::{
-    Completion, GenerationOutput, GenerationRequest, SampledToken, SamplingParams,
+    Completion, Constraint, GenerationOutput, GenerationRequest, SampledToken, SamplingParams,
 };
 use crate::types::{
     ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs, Content, Message,
@@ -62,15 +62,6 @@ fn prepare(
             "`messages` is empty; send at least one message.",
         ));
     }
-    if let Some(format) = &request.response_format {
-        if !matches!(format, ResponseFormat::Text) {
-            return Err(ApiError::invalid_param(
-                "response_format",
-                "response_format json_object/json_schema needs constrained decoding, which this server does not \
-                 support yet; ask for JSON in the prompt instead.",
-            ));
-        }
-    }
     let tools = request.tools.as_deref().filter(|tools| !tools.is_empty());
     let tool_choice_none = request.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
     let tools = tools.filter(|_| !tool_choice_none);
@@ -98,12 +89,13 @@ fn prepare(
         .engine
         .encode(&prompt_text, false)
         .map_err(|e| ApiError::internal(e.to_string()))?;
-    let params = sampling_params(
+    let mut params = sampling_params(
         request,
         prompt.len(),
         state.context_length(),
         state.default_max_tokens,
     )?;
+    params.constraint = response_constraint(request.response_format.as_ref())?;
     let prepared = Prepared {
         id: format!(
             "chatcmpl-{}",
@@ -133,6 +125,22 @@ fn prepare(
             adapter,
         },
     ))
+}
+
+/// `response_format` as a decoding constraint: the reply is then valid JSON (for the schema) by
+/// construction.
+fn response_constraint(format: Option<&ResponseFormat>) -> Result<Option<Constraint>, ApiError> {
+    match format {
+        None | Some(ResponseFormat::Text) => Ok(None),
+        Some(ResponseFormat::JsonObject) => Ok(Some(Constraint::JsonObject)),
+        Some(ResponseFormat::JsonSchema { json_schema }) => match &json_schema.schema {
+            Some(schema) => Ok(Some(Constraint::JsonSchema(schema.clone()))),
+            None => Err(ApiError::invalid_param(
+                "response_format",
+                "response_format json_schema needs a `schema`.",
+            )),
+        },
+    }
 }
 
 /// Appends to the first system message, or adds one.
