@@ -8,7 +8,7 @@
 
 use art_core::{
     gather_trajectory_groups, ruler_score_group, ChatEndpoint, GatherOptions, LocalBackend,
-    LocalBackendOptions, RulerOptions, TrainableModel, TrajectoryGroup,
+    LocalBackendOptions, Message, RulerOptions, TrainableModel, TrajectoryGroup,
 };
 
 #[path = "common/arithmetic.rs"]
@@ -39,7 +39,9 @@ async fn main() -> anyhow::Result<()> {
         Err(_) => model.endpoint().with_model(&model.base_model),
     };
     println!("judge: {} at {}", judge.model(), judge.base_url());
-    let ruler = RulerOptions::new(judge).rubric(RUBRIC);
+    let mut ruler = RulerOptions::new(judge).rubric(RUBRIC);
+    // A small judge rambles at temperature 1; a little randomness is enough.
+    ruler.temperature = Some(0.3);
 
     let model = &model;
     let groups = scenarios(7, 3, 20).into_iter().map(|sum| {
@@ -50,7 +52,12 @@ async fn main() -> anyhow::Result<()> {
 
     let (mut hand, mut judged) = (Vec::new(), Vec::new());
     for group in groups {
-        let question = group.trajectories[0].messages().last().map(|m| m.text());
+        let question = group.trajectories[0]
+            .messages()
+            .iter()
+            .rev()
+            .find(|m| matches!(m, Message::User(_)))
+            .map(Message::text);
         let group = ruler_score_group(group, &ruler)
             .await?
             .expect("errors are not swallowed");

@@ -320,7 +320,7 @@ fn response_format(count: usize) -> ResponseFormat {
                 "type": "object",
                 "properties": {
                     "trajectory_id": {"type": "string", "const": id.to_string()},
-                    "explanation": {"type": "string"},
+                    "explanation": {"type": "string", "maxLength": 400},
                     "score": {"type": "number", "minimum": 0, "maximum": 1}
                 },
                 "required": ["trajectory_id", "explanation", "score"],
