@@ -5,6 +5,7 @@
 //! link only what they need.
 
 pub mod client;
+pub mod display;
 pub mod gather;
 pub mod ruler;
 pub mod types;
