@@ -27,6 +27,10 @@ pub struct KernelConfig {
     pub cell_opt_level: String,
     /// Never touch the network from cells' builds (set once the cache is warm).
     pub offline: bool,
+    /// The rustup toolchain cells are compiled with: the one that built the kernel, so that the
+    /// warm cache and every kernel start agree (`None` outside rustup).
+    #[serde(default)]
+    pub toolchain: Option<String>,
 }
 
 /// The features of tokio cells get (what top-level `.await` and art-core need).
@@ -34,6 +38,17 @@ const TOKIO_DEP: &str =
     r#"{ version = "1", features = ["rt-multi-thread", "macros", "time", "sync"] }"#;
 
 impl KernelConfig {
+    /// The settings `install` starts from.
+    pub fn defaults() -> Self {
+        KernelConfig {
+            art_core: Self::default_art_core(),
+            cache_dir: Self::default_cache_dir(),
+            cell_opt_level: "0".into(),
+            offline: false,
+            toolchain: option_env!("RUSTUP_TOOLCHAIN").map(str::to_string),
+        }
+    }
+
     pub fn default_cache_dir() -> PathBuf {
         std::env::var_os("ART_KERNEL_CACHE")
             .map(PathBuf::from)
@@ -175,6 +190,7 @@ mod tests {
             cache_dir: "/tmp/cache".into(),
             cell_opt_level: "0".into(),
             offline: true,
+            toolchain: None,
         };
         let prelude = config.prelude();
         assert!(prelude.contains(":dep art-core = { path = \"/src/art-core\" }"));

@@ -30,6 +30,18 @@ impl EvcxrEngine {
         // The child that runs cells gets its own process group: a SIGINT sent to the kernel's
         // group (Jupyter's interrupt) stops compilers, and we decide whether to stop the child.
         std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        // Cells link the standard library dynamically. evcxr relies on the rpath cargo writes,
+        // which is relative to deps/ while the library is loaded from one level up: it breaks
+        // when the build directory shares a prefix with the toolchain (both under $HOME). Name
+        // the toolchain's library directory explicitly.
+        if let Some(libdir) = target_libdir() {
+            let mut path = std::ffi::OsString::from(libdir);
+            if let Some(old) = std::env::var_os("LD_LIBRARY_PATH") {
+                path.push(":");
+                path.push(old);
+            }
+            command.env("LD_LIBRARY_PATH", path);
+        }
         let (eval, outputs) = EvalContext::with_subprocess_command(command)
             .map_err(|e| anyhow!("cannot start the Rust evaluator: {e}"))?;
         let context = CommandContext::with_eval_context(eval);
@@ -124,6 +136,15 @@ impl Engine for EvcxrEngine {
     fn interrupter(&self) -> Arc<dyn Interrupter> {
         self.control.clone()
     }
+}
+
+fn target_libdir() -> Option<String> {
+    let output = Command::new("rustc")
+        .args(["--print", "target-libdir"])
+        .output()
+        .ok()?;
+    let dir = String::from_utf8(output.stdout).ok()?;
+    Some(dir.trim().to_string()).filter(|d| !d.is_empty())
 }
 
 pub fn language() -> LanguageDescription {

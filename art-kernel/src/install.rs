@@ -143,6 +143,9 @@ pub fn set_engine_env(config: &KernelConfig, slot: &Path) {
     std::env::set_var("EVCXR_TMPDIR", slot);
     std::env::set_var("EVCXR_CONFIG_DIR", &evcxr_config);
     std::env::set_var(art_core::display::wire::KERNEL_ENV, "1");
+    if let Some(toolchain) = &config.toolchain {
+        std::env::set_var("RUSTUP_TOOLCHAIN", toolchain);
+    }
 }
 
 /// Compiles the prelude and a cell using the displays once, in the first free build slot.

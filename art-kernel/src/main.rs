@@ -87,12 +87,7 @@ fn parse_location(args: &[String]) -> Result<Location> {
 fn parse_install(args: &[String]) -> Result<InstallOptions> {
     let mut options = InstallOptions {
         location: Location::User,
-        config: KernelConfig {
-            art_core: KernelConfig::default_art_core(),
-            cache_dir: KernelConfig::default_cache_dir(),
-            cell_opt_level: "0".into(),
-            offline: false,
-        },
+        config: KernelConfig::defaults(),
         warm: true,
     };
     let mut rest = Args::new(args);
@@ -140,12 +135,7 @@ fn run(args: &[String]) -> Result<()> {
     .with_context(|| format!("{connection_file} is not a Jupyter connection file"))?;
     let config = match config_file {
         Some(path) => KernelConfig::load(&path)?,
-        None => KernelConfig {
-            art_core: KernelConfig::default_art_core(),
-            cache_dir: KernelConfig::default_cache_dir(),
-            cell_opt_level: "0".into(),
-            offline: false,
-        },
+        None => KernelConfig::defaults(),
     };
     config.write_cargo_config()?;
     let slot = acquire_slot(&config.cache_dir)?;
