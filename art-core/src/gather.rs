@@ -385,9 +385,10 @@ impl Reporter {
             ));
         }
         let bar = ProgressBar::new(total as u64);
-        let style =
-            ProgressStyle::with_template("{prefix} {wide_bar} {pos}/{len} [{elapsed_precise}] {msg}")
-                .expect("the progress template is valid");
+        let style = ProgressStyle::with_template(
+            "{prefix} {wide_bar} {pos}/{len} [{elapsed_precise}] {msg}",
+        )
+        .expect("the progress template is valid");
         bar.set_style(style);
         bar.set_prefix(options.description.clone());
         Reporter::Bar(bar)

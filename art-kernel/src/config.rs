@@ -79,9 +79,14 @@ impl KernelConfig {
     fn art_core_dep(&self) -> String {
         match &self.art_core {
             ArtCoreSource::Path(path) => {
-                format!(":dep art-core = {{ path = {:?} }}", path.display().to_string())
+                format!(
+                    ":dep art-core = {{ path = {:?} }}",
+                    path.display().to_string()
+                )
             }
-            ArtCoreSource::Version(version) => format!(":dep art-core = {{ version = {version:?} }}"),
+            ArtCoreSource::Version(version) => {
+                format!(":dep art-core = {{ version = {version:?} }}")
+            }
         }
     }
 
@@ -148,7 +153,10 @@ pub fn acquire_slot(cache_dir: &Path) -> Result<Slot> {
             let seed = slots.join("0");
             if seed.join("target").is_dir() {
                 if let Err(error) = link_tree(&seed, &dir) {
-                    eprintln!("art-kernel: could not seed {} from slot 0 ({error}); compiling afresh", dir.display());
+                    eprintln!(
+                        "art-kernel: could not seed {} from slot 0 ({error}); compiling afresh",
+                        dir.display()
+                    );
                     let _ = std::fs::remove_dir_all(&dir);
                 }
             }
@@ -204,7 +212,8 @@ mod tests {
 
     #[test]
     fn slots_are_exclusive_and_seeded_from_slot_zero() {
-        let cache = std::env::temp_dir().join(format!("art-kernel-slot-test-{}", std::process::id()));
+        let cache =
+            std::env::temp_dir().join(format!("art-kernel-slot-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&cache);
         let first = acquire_slot(&cache).unwrap();
         assert!(first.dir.ends_with("slots/0"));

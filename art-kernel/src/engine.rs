@@ -12,8 +12,7 @@ use crossbeam_channel::{Receiver, Select, Sender};
 use evcxr::{CommandContext, EvalContext, EvalContextOutputs};
 
 use crate::protocol::{
-    Bundle, Completions, Engine, ErrorReport, Interrupter, LanguageDescription, Output,
-    OutputSink,
+    Bundle, Completions, Engine, ErrorReport, Interrupter, LanguageDescription, Output, OutputSink,
 };
 
 pub struct EvcxrEngine {
@@ -326,7 +325,9 @@ fn pump(
                 Err(_) => break,
             },
             i if i == flush_index => {
-                let Ok(done) = operation.recv(&flush_requests) else { break };
+                let Ok(done) = operation.recv(&flush_requests) else {
+                    break;
+                };
                 while let Ok(line) = stdout.try_recv() {
                     text.stdout(line, &sink);
                 }
@@ -432,7 +433,9 @@ mod tests {
         })
         .expect("display");
         assert!(before < shown);
-        assert!(seen.iter().any(|o| matches!(o, Output::Stdout(t) if t.contains("after"))));
+        assert!(seen
+            .iter()
+            .any(|o| matches!(o, Output::Stdout(t) if t.contains("after"))));
         assert!(seen.contains(&Output::Stderr("oops\n".into())));
     }
 }

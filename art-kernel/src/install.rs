@@ -61,7 +61,9 @@ fn python_prefix() -> Result<PathBuf> {
     if !output.status.success() {
         bail!("python3 could not tell its prefix");
     }
-    Ok(PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
+    Ok(PathBuf::from(
+        String::from_utf8_lossy(&output.stdout).trim(),
+    ))
 }
 
 pub struct InstallOptions {
@@ -160,9 +162,9 @@ fn warm(config: &KernelConfig) -> Result<()> {
     let mut warm_config = config.clone();
     warm_config.offline = false;
     let mut engine = EvcxrEngine::start(&warm_config.prelude(), sink)?;
-    engine
-        .execute(WARM_CELL)
-        .map_err(|report| anyhow::anyhow!("the warm-up cell failed:\n{}", report.traceback.join("\n")))?;
+    engine.execute(WARM_CELL).map_err(|report| {
+        anyhow::anyhow!("the warm-up cell failed:\n{}", report.traceback.join("\n"))
+    })?;
     engine.interrupter().shutdown();
     Ok(())
 }

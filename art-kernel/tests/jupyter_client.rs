@@ -10,7 +10,9 @@ use std::process::Command;
 #[test]
 fn jupyter_client_drives_the_kernel() {
     let Some(python) = std::env::var_os("ART_TEST_PYTHON") else {
-        eprintln!("SKIPPED: set ART_TEST_PYTHON to a Python with jupyter_client to run the kernel tests");
+        eprintln!(
+            "SKIPPED: set ART_TEST_PYTHON to a Python with jupyter_client to run the kernel tests"
+        );
         return;
     };
     let has_client = Command::new(&python)

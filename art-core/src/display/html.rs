@@ -97,7 +97,9 @@ fn reward_hue(reward: f64, lo: f64, hi: f64) -> Option<f64> {
 
 fn reward_badge(label: &str, reward: f64, lo: f64, hi: f64) -> String {
     let style = match reward_hue(reward, lo, hi) {
-        Some(h) => format!("background:hsla({h:.0},70%,45%,.18);border-color:hsla({h:.0},70%,45%,.55)"),
+        Some(h) => {
+            format!("background:hsla({h:.0},70%,45%,.18);border-color:hsla({h:.0},70%,45%,.55)")
+        }
         None => "background:rgba(59,130,246,.14);border-color:rgba(59,130,246,.5)".to_string(),
     };
     format!(
@@ -184,14 +186,26 @@ fn content_html(content: &Content) -> String {
                 match part {
                     ContentPart::Text { text } => out.push_str(&text_block(text)),
                     ContentPart::Refusal { refusal } => {
-                        let _ = write!(out, r#"<div class="art-err">refused: {}</div>"#, escape_html(refusal));
+                        let _ = write!(
+                            out,
+                            r#"<div class="art-err">refused: {}</div>"#,
+                            escape_html(refusal)
+                        );
                     }
                     ContentPart::ImageUrl { image_url } => {
-                        let _ = write!(out, r#"<img class="art-img" src="{}" alt="image">"#, escape_html(&image_url.url));
+                        let _ = write!(
+                            out,
+                            r#"<img class="art-img" src="{}" alt="image">"#,
+                            escape_html(&image_url.url)
+                        );
                     }
                     ContentPart::Other(value) => {
                         let kind = value.get("type").and_then(|t| t.as_str()).unwrap_or("part");
-                        let _ = write!(out, r#"<div class="art-empty">[{} part]</div>"#, escape_html(kind));
+                        let _ = write!(
+                            out,
+                            r#"<div class="art-empty">[{} part]</div>"#,
+                            escape_html(kind)
+                        );
                     }
                 }
             }
@@ -270,7 +284,11 @@ fn item_html(item: &MessageOrChoice, tool_names: &mut HashMap<String, String>) -
                 _ => {}
             }
             if let Some(refusal) = &m.refusal {
-                let _ = write!(out, r#"<div class="art-err">refused: {}</div>"#, escape_html(refusal));
+                let _ = write!(
+                    out,
+                    r#"<div class="art-err">refused: {}</div>"#,
+                    escape_html(refusal)
+                );
             }
             for call in &m.tool_calls {
                 tool_names.insert(call.id.clone(), call.function.name.clone());
@@ -302,7 +320,10 @@ fn item_html(item: &MessageOrChoice, tool_names: &mut HashMap<String, String>) -
 }
 
 fn items_html(items: &[MessageOrChoice], tool_names: &mut HashMap<String, String>) -> String {
-    items.iter().map(|item| item_html(item, tool_names)).collect()
+    items
+        .iter()
+        .map(|item| item_html(item, tool_names))
+        .collect()
 }
 
 fn tools_html(tools: Option<&[Tool]>) -> String {
@@ -389,7 +410,9 @@ fn trajectory_body(trajectory: &Trajectory, from: usize) -> String {
 }
 
 pub(crate) fn trajectory_html(trajectory: &Trajectory) -> String {
-    let mut out = format!(r#"{STYLE}<div class="art-root"><div class="art-card"><div class="art-head"><span class="art-title">Trajectory</span>"#);
+    let mut out = format!(
+        r#"{STYLE}<div class="art-root"><div class="art-card"><div class="art-head"><span class="art-title">Trajectory</span>"#
+    );
     out.push_str(&reward_badge("reward", trajectory.reward, 0.0, 0.0));
     out.push_str(&metric_badges(&trajectory.metrics, &[]));
     out.push_str(&metadata_chips(&trajectory.metadata));
@@ -397,8 +420,15 @@ pub(crate) fn trajectory_html(trajectory: &Trajectory) -> String {
         trajectory.initial_policy_version,
         trajectory.final_policy_version,
     ) {
-        let version = if a == b { a.to_string() } else { format!("{a}→{b}") };
-        let _ = write!(out, r#"<span class="art-chip">policy <code>{version}</code></span>"#);
+        let version = if a == b {
+            a.to_string()
+        } else {
+            format!("{a}→{b}")
+        };
+        let _ = write!(
+            out,
+            r#"<span class="art-chip">policy <code>{version}</code></span>"#
+        );
     }
     out.push_str("</div>");
     out.push_str(&ruler_note(trajectory));
@@ -411,7 +441,9 @@ pub(crate) fn group_html(group: &TrajectoryGroup) -> String {
     let rewards = group.rewards();
     let lo = rewards.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = rewards.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let mut out = format!(r#"{STYLE}<div class="art-root"><div class="art-card"><div class="art-head"><span class="art-title">TrajectoryGroup</span>"#);
+    let mut out = format!(
+        r#"{STYLE}<div class="art-root"><div class="art-card"><div class="art-head"><span class="art-title">TrajectoryGroup</span>"#
+    );
     let _ = write!(
         out,
         r#"<span class="art-badge">trajectories <b>{}</b></span>"#,
@@ -440,8 +472,11 @@ pub(crate) fn group_html(group: &TrajectoryGroup) -> String {
     out.push_str("</div>");
 
     // The beginning all trajectories share (system prompt, task) is shown once.
-    let conversations: Vec<Vec<Message>> =
-        group.trajectories.iter().map(Trajectory::messages).collect();
+    let conversations: Vec<Vec<Message>> = group
+        .trajectories
+        .iter()
+        .map(Trajectory::messages)
+        .collect();
     let shared = if conversations.len() > 1 {
         common_prefix_len(&conversations)
     } else {

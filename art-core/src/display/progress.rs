@@ -36,7 +36,8 @@ impl GatherProgressView {
 
     /// Shows `progress` (throttled: intermediate states closer than 100 ms apart are skipped).
     pub fn update(&self, progress: &GatherProgress) {
-        let finished = progress.done >= progress.total && progress.groups_done >= progress.groups_total;
+        let finished =
+            progress.done >= progress.total && progress.groups_done >= progress.groups_total;
         {
             let mut last = self.last_sent.lock().unwrap_or_else(|e| e.into_inner());
             if !finished && last.is_some_and(|t| t.elapsed() < MIN_INTERVAL) {
@@ -121,7 +122,11 @@ impl Render for ProgressSnapshot {
             fraction * 100.0
         );
         if let Some(remark) = &self.remark {
-            let _ = write!(html, r#"<div class="art-err">{}</div>"#, escape_html(remark));
+            let _ = write!(
+                html,
+                r#"<div class="art-err">{}</div>"#,
+                escape_html(remark)
+            );
         }
         html.push_str("</div>");
         let text = format!(

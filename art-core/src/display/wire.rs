@@ -64,6 +64,9 @@ mod tests {
         assert!(line.starts_with(PREFIX));
         assert_eq!(DisplayMessage::parse_line(&line), Some(message));
         assert_eq!(DisplayMessage::parse_line("hello"), None);
-        assert_eq!(DisplayMessage::parse_line(&format!("{PREFIX}not json")), None);
+        assert_eq!(
+            DisplayMessage::parse_line(&format!("{PREFIX}not json")),
+            None
+        );
     }
 }

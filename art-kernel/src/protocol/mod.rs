@@ -157,7 +157,10 @@ mod tests {
                 indent: "    ".into()
             }
         );
-        assert_eq!(bracket_completeness("let s = \"{\";"), Completeness::Complete);
+        assert_eq!(
+            bracket_completeness("let s = \"{\";"),
+            Completeness::Complete
+        );
         assert_eq!(bracket_completeness("// {\n1"), Completeness::Complete);
         assert_eq!(bracket_completeness("())"), Completeness::Invalid);
     }

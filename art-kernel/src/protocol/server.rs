@@ -19,8 +19,7 @@ use zeromq::{Socket, SocketRecv, SocketSend};
 
 use super::wire::Signer;
 use super::{
-    Bundle, Completeness, Engine, ErrorReport, Interrupter, LanguageDescription, Output,
-    OutputSink,
+    Bundle, Completeness, Engine, ErrorReport, Interrupter, LanguageDescription, Output, OutputSink,
 };
 
 type SharedEngine<E> = Arc<Mutex<E>>;
@@ -44,14 +43,23 @@ impl Kernel {
         let _ = self.iopub.send(message);
     }
 
-    fn reply(&self, content: impl Into<JupyterMessageContent>, request: &JupyterMessage) -> Result<zeromq::ZmqMessage> {
+    fn reply(
+        &self,
+        content: impl Into<JupyterMessageContent>,
+        request: &JupyterMessage,
+    ) -> Result<zeromq::ZmqMessage> {
         let mut message = JupyterMessage::new(content, Some(request));
         message.header.username = "art-kernel".into();
         self.signer.encode(&message)
     }
 
     fn output(&self, output: Output) {
-        let Some(parent) = self.parent.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
+        let Some(parent) = self
+            .parent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        else {
             // Output before any request (engine start-up) has no cell to go to.
             return;
         };
@@ -129,7 +137,9 @@ fn media(bundle: Bundle) -> Media {
 fn endpoint(connection: &ConnectionInfo, port: u16) -> Result<String> {
     match connection.transport {
         Transport::TCP => Ok(format!("tcp://{}:{}", connection.ip, port)),
-        Transport::IPC => bail!("the ipc transport is not supported; use tcp in the connection file"),
+        Transport::IPC => {
+            bail!("the ipc transport is not supported; use tcp in the connection file")
+        }
     }
 }
 
@@ -227,7 +237,8 @@ where
     // SIGINT (Jupyter's default interrupt) interrupts the running cell instead of ending us.
     {
         let kernel = kernel.clone();
-        let mut signals = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+        let mut signals =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
         tokio::spawn(async move {
             while signals.recv().await.is_some() {
                 if let Some(interrupter) = kernel.interrupter.get() {
@@ -333,7 +344,9 @@ where
                         }
                     }
                     Ok(ShellAction::None) => {}
-                    Err(error) => eprintln!("art-kernel: error handling a shell message: {error:#}"),
+                    Err(error) => {
+                        eprintln!("art-kernel: error handling a shell message: {error:#}")
+                    }
                 }
                 kernel.publish(Status::idle(), &request);
                 if stop {
@@ -418,7 +431,10 @@ async fn handle_shell<E: Engine>(
                 Ok(engine) => {
                     let code = execute.code.clone();
                     tokio::task::spawn_blocking(move || {
-                        engine.lock().unwrap_or_else(|e| e.into_inner()).execute(&code)
+                        engine
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .execute(&code)
                     })
                     .await
                     .context("the execution thread died")?
@@ -426,9 +442,11 @@ async fn handle_shell<E: Engine>(
                 Err(error) => Err(ErrorReport {
                     ename: "KernelStartError".into(),
                     evalue: error.clone(),
-                    traceback: std::iter::once("The ART kernel could not start its Rust evaluator:".to_string())
-                        .chain(error.lines().map(str::to_string))
-                        .collect(),
+                    traceback: std::iter::once(
+                        "The ART kernel could not start its Rust evaluator:".to_string(),
+                    )
+                    .chain(error.lines().map(str::to_string))
+                    .collect(),
                 }),
             };
             let reply = match result {
@@ -475,7 +493,10 @@ async fn handle_shell<E: Engine>(
                 Ok(engine) => {
                     let code2 = code.clone();
                     tokio::task::spawn_blocking(move || {
-                        engine.lock().unwrap_or_else(|e| e.into_inner()).complete(&code2, cursor)
+                        engine
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .complete(&code2, cursor)
                     })
                     .await?
                     .map_err(|e| format!("{e:#}"))
@@ -520,10 +541,15 @@ async fn handle_shell<E: Engine>(
             let code = inspect.code.clone();
             let cursor = char_to_byte(&code, inspect.cursor_pos);
             let found = match state.engine().await {
-                Ok(engine) => tokio::task::spawn_blocking(move || {
-                    engine.lock().unwrap_or_else(|e| e.into_inner()).inspect(&code, cursor)
-                })
-                .await?,
+                Ok(engine) => {
+                    tokio::task::spawn_blocking(move || {
+                        engine
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .inspect(&code, cursor)
+                    })
+                    .await?
+                }
                 Err(_) => None,
             };
             ShellAction::Reply(
@@ -550,7 +576,10 @@ async fn handle_shell<E: Engine>(
             .into(),
         ),
         other => {
-            eprintln!("art-kernel: ignoring shell message {}", other.message_type());
+            eprintln!(
+                "art-kernel: ignoring shell message {}",
+                other.message_type()
+            );
             ShellAction::None
         }
     })

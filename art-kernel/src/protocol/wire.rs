@@ -64,7 +64,10 @@ impl Signer {
         let identities = frames[..split].to_vec();
         let rest = &frames[split + 1..];
         if rest.len() < 5 {
-            bail!("a message needs a signature and four JSON parts, got {} frames", rest.len());
+            bail!(
+                "a message needs a signature and four JSON parts, got {} frames",
+                rest.len()
+            );
         }
         let parts: Vec<&[u8]> = rest[1..5].iter().map(|f| f.as_ref()).collect();
         self.verify(&parts, &rest[0])?;
