@@ -664,7 +664,8 @@ mod tests {
             weather_trajectory(0.9, "18°C, clear"),
         ]);
         let html = group_html(&group);
-        assert_eq!(html.matches("You are a weather assistant.").count(), 1);
+        // The system prompt is rendered once (above the columns), not once per trajectory.
+        assert_eq!(html.matches(r#"class="art-msg art-system""#).count(), 1);
         assert!(html.contains("shared beginning (4 messages)"));
         assert_eq!(html.matches("art-col art-best").count(), 1);
         assert!(html.contains("rank 1"));
