@@ -4,12 +4,18 @@
 //! trainer and server sit behind the `engine`, `train` and `server` features so that notebook cells
 //! link only what they need.
 
+pub mod backend;
 pub mod client;
 pub mod display;
+pub mod fsutil;
 pub mod gather;
 pub mod ruler;
 pub mod types;
 
+pub use backend::{
+    Backend, BackendError, LocalBackend, LocalBackendOptions, ModelInfo, RemoteBackend,
+    TrainableModel,
+};
 pub use client::{ChatEndpoint, ClientError};
 pub use gather::{
     gather_trajectory_groups, GatherError, GatherOptions, GatherProgress, MaxExceptions,
@@ -19,3 +25,10 @@ pub use ruler::{
     ruler, ruler_score_group, JudgeUsage, RulerError, RulerOptions, RulerScore, RulerVerdict,
 };
 pub use types::*;
+
+#[cfg(feature = "engine")]
+pub mod engine;
+#[cfg(feature = "server")]
+pub mod server;
+#[cfg(feature = "train")]
+pub mod train;

@@ -1,1 +1,109 @@
-//! Shared helpers for the end-to-end tests in `tests/tests/`.
+//! Shared helpers for the end-to-end tests in `tests/tests/`: tiny models on disk and servers on
+//! loopback.
+
+use std::path::{Path, PathBuf};
+
+use art_core::engine::random::RandomModelSpec;
+use art_core::engine::Architecture;
+use art_core::server::{build_state, router, ServeOptions};
+
+/// A directory removed when dropped.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let path = std::env::temp_dir().join(format!(
+            "art-e2e-{tag}-{}-{}",
+            std::process::id(),
+            rand_suffix()
+        ));
+        std::fs::create_dir_all(&path).expect("temp dir");
+        TempDir(path)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn rand_suffix() -> u64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// A tiny random-weight Qwen2 model (ChatML template) written as a Hugging Face directory.
+pub fn tiny_model(dir: &Path) -> PathBuf {
+    let model = dir.join("tiny-qwen2");
+    RandomModelSpec::tiny(Architecture::Qwen2)
+        .write(&model, 7)
+        .expect("tiny model writes");
+    model
+}
+
+/// The real default model, if `scripts/fetch-models.sh` has fetched it.
+pub fn smollm2() -> Option<PathBuf> {
+    let dir = std::env::var_os("ART_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.is_file() {
+        Some(path)
+    } else {
+        eprintln!(
+            "skipping: {} is missing (run scripts/fetch-models.sh)",
+            path.display()
+        );
+        None
+    }
+}
+
+/// A server on a free loopback port, running on the test's runtime.
+pub struct TestServer {
+    pub base_url: String,
+    pub model: String,
+    _dir: TempDir,
+}
+
+impl TestServer {
+    /// Serves the tiny model; `configure` adjusts the options first.
+    pub async fn tiny(configure: impl FnOnce(&mut ServeOptions)) -> Self {
+        let dir = TempDir::new("server");
+        let mut options = ServeOptions {
+            model: tiny_model(dir.path()).display().to_string(),
+            served_model_name: Some("tiny".into()),
+            art_dir: dir.path().join(".art"),
+            default_max_tokens: 16,
+            ..ServeOptions::default()
+        };
+        configure(&mut options);
+        Self::start(options, dir).await
+    }
+
+    pub async fn start(options: ServeOptions, dir: TempDir) -> Self {
+        let state = build_state(&options).expect("server state builds");
+        let model = state.base_model.clone();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base_url = format!("http://{}/v1", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum_serve(listener, state).await });
+        TestServer {
+            base_url,
+            model,
+            _dir: dir,
+        }
+    }
+}
+
+async fn axum_serve(listener: tokio::net::TcpListener, state: art_core::server::AppState) {
+    art_core::server::serve_on(listener, router(state))
+        .await
+        .expect("server runs");
+}

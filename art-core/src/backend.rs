@@ -1,0 +1,409 @@
+//! Backends: where the model is served and trained. [`LocalBackend`] starts `art serve` as a child
+//! process on loopback; [`RemoteBackend`] talks to one running elsewhere (a GPU machine). Both speak
+//! the same HTTP protocol, so a [`TrainableModel`] works the same with either.
+
+use std::any::Any;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::client::ChatEndpoint;
+use crate::types::LoraConfig;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("cannot find the `art` binary: {0}. Build it with `cargo build --release -p art-core --features server --bin art`, or set ART_BIN")]
+    BinaryNotFound(String),
+    #[error("`art serve` did not start: {0}")]
+    StartFailed(String),
+    #[error("the backend at {url} answered HTTP {status}: {message}")]
+    Api {
+        url: String,
+        status: u16,
+        message: String,
+    },
+    #[error("cannot reach the backend at {url}: {message}")]
+    Unreachable { url: String, message: String },
+}
+
+/// A server that serves and trains models.
+pub trait Backend: Send + Sync {
+    /// The API root, ending in `/v1`.
+    fn base_url(&self) -> &str;
+    fn api_key(&self) -> Option<&str>;
+    /// Something to keep alive while models of this backend are in use (the local child process).
+    fn keepalive(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+        None
+    }
+}
+
+/// `art serve` on another machine, reached over HTTP with an API key.
+#[derive(Debug, Clone)]
+pub struct RemoteBackend {
+    base_url: String,
+    api_key: Option<String>,
+}
+
+impl RemoteBackend {
+    /// `url` is the server's root or its `/v1` (e.g. `http://gpu-box:8000`).
+    pub fn new(url: impl Into<String>, api_key: Option<String>) -> Self {
+        let url = url.into();
+        let root = url
+            .trim_end_matches('/')
+            .trim_end_matches("/v1")
+            .to_string();
+        RemoteBackend {
+            base_url: format!("{root}/v1"),
+            api_key,
+        }
+    }
+
+    /// Checks that the server answers.
+    pub async fn health(&self) -> Result<(), BackendError> {
+        let http = Http::new(&self.base_url, self.api_key.clone());
+        let _: serde_json::Value = http.get_root("/health").await?;
+        Ok(())
+    }
+}
+
+impl Backend for RemoteBackend {
+    fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    fn api_key(&self) -> Option<&str> {
+        self.api_key.as_deref()
+    }
+}
+
+/// How to start a [`LocalBackend`].
+#[derive(Debug, Clone)]
+pub struct LocalBackendOptions {
+    /// The model to serve (GGUF file, HF directory or hub-cache repository id).
+    pub model: String,
+    /// Where trained models are kept (default `.art`).
+    pub art_dir: PathBuf,
+    /// The `art` binary (default: $ART_BIN, then next to this program, then on PATH).
+    pub binary: Option<PathBuf>,
+    /// Extra arguments for `art serve` (e.g. `--max-batch 32`).
+    pub extra_args: Vec<String>,
+    pub startup_timeout: Duration,
+}
+
+impl LocalBackendOptions {
+    pub fn new(model: impl Into<String>) -> Self {
+        LocalBackendOptions {
+            model: model.into(),
+            art_dir: PathBuf::from(".art"),
+            binary: None,
+            extra_args: Vec::new(),
+            startup_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// `art serve` as a child process on a free loopback port, stopped when the last handle goes.
+#[derive(Clone)]
+pub struct LocalBackend {
+    base_url: String,
+    process: Arc<ChildProcess>,
+}
+
+struct ChildProcess(std::sync::Mutex<tokio::process::Child>);
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        if let Ok(child) = self.0.get_mut() {
+            let _ = child.start_kill();
+        }
+    }
+}
+
+impl LocalBackend {
+    /// Starts `art serve` and waits until it is ready.
+    pub async fn start(options: LocalBackendOptions) -> Result<Self, BackendError> {
+        let binary = match options.binary.clone() {
+            Some(binary) => binary,
+            None => find_art_binary()?,
+        };
+        let mut child = tokio::process::Command::new(&binary)
+            .arg("serve")
+            .args([
+                "--model",
+                &options.model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+            ])
+            .arg("--art-dir")
+            .arg(&options.art_dir)
+            .args(&options.extra_args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| BackendError::StartFailed(format!("{}: {e}", binary.display())))?;
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let mut lines = BufReader::new(stdout).lines();
+        // The server prints `... listening on http://127.0.0.1:PORT/v1` once it is ready.
+        let ready = tokio::time::timeout(options.startup_timeout, async {
+            while let Some(line) = lines.next_line().await.map_err(|e| e.to_string())? {
+                if let Some(url) = line.split("listening on ").nth(1) {
+                    return Ok(url.trim().to_string());
+                }
+            }
+            Err("it exited before listening (its error is above)".to_string())
+        })
+        .await;
+        let base_url = match ready {
+            Ok(Ok(url)) => url,
+            Ok(Err(why)) => return Err(BackendError::StartFailed(why)),
+            Err(_) => {
+                return Err(BackendError::StartFailed(format!(
+                    "not ready after {:?}",
+                    options.startup_timeout
+                )))
+            }
+        };
+        // Keep draining stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        Ok(LocalBackend {
+            base_url,
+            process: Arc::new(ChildProcess(std::sync::Mutex::new(child))),
+        })
+    }
+}
+
+impl Backend for LocalBackend {
+    fn base_url(&self) -> &str {
+        &self.base_url
+    }
+
+    fn api_key(&self) -> Option<&str> {
+        None
+    }
+
+    fn keepalive(&self) -> Option<Arc<dyn Any + Send + Sync>> {
+        Some(self.process.clone())
+    }
+}
+
+fn find_art_binary() -> Result<PathBuf, BackendError> {
+    if let Some(path) = std::env::var_os("ART_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let mut tried = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        // Next to this program, or one level up (cargo puts test binaries in target/<profile>/deps).
+        for dir in exe.ancestors().skip(1).take(2) {
+            let candidate = dir.join("art");
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+            tried.push(candidate.display().to_string());
+        }
+    }
+    for dir in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
+        let candidate = dir.join("art");
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    Err(BackendError::BinaryNotFound(format!(
+        "tried $ART_BIN, {} and PATH",
+        tried.join(", ")
+    )))
+}
+
+/// A model that can be trained: a name on a backend, served as an OpenAI-compatible model.
+#[derive(Clone)]
+pub struct TrainableModel {
+    pub name: String,
+    pub project: String,
+    pub base_model: String,
+    pub lora: LoraConfig,
+    http: Http,
+    _keepalive: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for TrainableModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainableModel")
+            .field("name", &self.name)
+            .field("project", &self.project)
+            .field("base_model", &self.base_model)
+            .field("backend", &self.http.base_url)
+            .finish()
+    }
+}
+
+/// `POST /v1/art/models`: what a client registers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RegisterRequest {
+    pub name: String,
+    pub project: String,
+    /// The base model the client expects; must be the one the server serves (or left out).
+    #[serde(default)]
+    pub base_model: Option<String>,
+    #[serde(default)]
+    pub lora: LoraConfig,
+}
+
+/// The server's view of a registered model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    pub name: String,
+    pub project: String,
+    pub base_model: String,
+    /// Optimizer steps taken so far (0 = untrained: requests get the base model).
+    pub step: u64,
+    pub lora: LoraConfig,
+}
+
+impl TrainableModel {
+    /// Registers (or reconnects to) the model `name` in `project` on the backend. A model trained
+    /// before resumes from its last checkpoint.
+    pub async fn register(
+        backend: &impl Backend,
+        name: impl Into<String>,
+        project: impl Into<String>,
+    ) -> Result<Self, BackendError> {
+        Self::register_with(backend, name, project, LoraConfig::default()).await
+    }
+
+    /// As [`TrainableModel::register`], with a LoRA shape other than the default.
+    pub async fn register_with(
+        backend: &impl Backend,
+        name: impl Into<String>,
+        project: impl Into<String>,
+        lora: LoraConfig,
+    ) -> Result<Self, BackendError> {
+        let http = Http::new(backend.base_url(), backend.api_key().map(str::to_string));
+        let request = RegisterRequest {
+            name: name.into(),
+            project: project.into(),
+            base_model: None,
+            lora,
+        };
+        let info: ModelInfo = http.post("/art/models", &request).await?;
+        Ok(TrainableModel {
+            name: info.name,
+            project: info.project,
+            base_model: info.base_model,
+            lora: info.lora,
+            http,
+            _keepalive: backend.keepalive(),
+        })
+    }
+
+    /// The chat endpoint for rollouts. Requests name this model, which the server resolves to its
+    /// latest checkpoint (the base model before the first training step).
+    pub fn endpoint(&self) -> ChatEndpoint {
+        let endpoint = ChatEndpoint::new(&self.http.base_url, &self.name);
+        match &self.http.api_key {
+            Some(key) => endpoint.with_api_key(key.clone()),
+            None => endpoint,
+        }
+    }
+
+    /// An async-openai client bound to the backend (use `self.name` as the model).
+    pub fn openai_client(&self) -> async_openai::Client<async_openai::config::OpenAIConfig> {
+        self.endpoint().openai_client()
+    }
+
+    /// Optimizer steps taken so far.
+    pub async fn get_step(&self) -> Result<u64, BackendError> {
+        let info: ModelInfo = self.http.get(&format!("/art/models/{}", self.name)).await?;
+        Ok(info.step)
+    }
+}
+
+/// JSON over HTTP to the backend, with its error JSON turned into [`BackendError`].
+#[derive(Clone)]
+struct Http {
+    base_url: String,
+    api_key: Option<String>,
+    client: reqwest::Client,
+}
+
+impl Http {
+    fn new(base_url: &str, api_key: Option<String>) -> Self {
+        Http {
+            base_url: base_url.trim_end_matches('/').to_string(),
+            api_key,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, BackendError> {
+        self.send(self.client.get(format!("{}{path}", self.base_url)))
+            .await
+    }
+
+    /// A path outside `/v1` (such as `/health`).
+    async fn get_root<T: DeserializeOwned>(&self, path: &str) -> Result<T, BackendError> {
+        let root = self.base_url.trim_end_matches("/v1");
+        self.send(self.client.get(format!("{root}{path}"))).await
+    }
+
+    async fn post<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &impl Serialize,
+    ) -> Result<T, BackendError> {
+        let body = serde_json::to_vec(body).expect("request bodies serialize");
+        let request = self
+            .client
+            .post(format!("{}{path}", self.base_url))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body);
+        self.send(request).await
+    }
+
+    async fn send<T: DeserializeOwned>(
+        &self,
+        mut request: reqwest::RequestBuilder,
+    ) -> Result<T, BackendError> {
+        if let Some(key) = &self.api_key {
+            request = request.bearer_auth(key);
+        }
+        let url = self.base_url.clone();
+        let response = request
+            .send()
+            .await
+            .map_err(|e| BackendError::Unreachable {
+                url: url.clone(),
+                message: e.to_string(),
+            })?;
+        let status = response.status();
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|e| BackendError::Unreachable {
+                url: url.clone(),
+                message: e.to_string(),
+            })?;
+        if !status.is_success() {
+            let message = serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+            return Err(BackendError::Api {
+                url,
+                status: status.as_u16(),
+                message,
+            });
+        }
+        serde_json::from_slice(&bytes).map_err(|e| BackendError::Api {
+            url,
+            status: status.as_u16(),
+            message: format!("unexpected response ({e})"),
+        })
+    }
+}

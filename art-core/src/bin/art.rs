@@ -1,0 +1,96 @@
+//! `art`: the backend's command line. `art serve` runs the OpenAI-compatible server with training.
+
+use std::path::PathBuf;
+
+use art_core::server::{serve, ServeOptions};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "art",
+    version,
+    about = "ART for Rust: serve and train models for agent reinforcement learning"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve a model over an OpenAI-compatible API, with the training API under /v1/art.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// A GGUF file, a Hugging Face model directory, or a repository id in the local hub cache.
+    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: String,
+    /// The name clients use for the base model (default: the file or directory name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Clients must send it as `Authorization: Bearer <key>`; required off loopback.
+    #[arg(long, env = "ART_API_KEY")]
+    api_key: Option<String>,
+    /// `cpu`, or `cuda` / `cuda:N` in a CUDA build.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Sequences decoded together at most.
+    #[arg(long, default_value_t = 64)]
+    max_batch: usize,
+    /// Requests queued beyond the batch before new ones are answered 429.
+    #[arg(long, default_value_t = 1024)]
+    max_queue: usize,
+    /// Tokens generated when a request sets no max_tokens.
+    #[arg(long, default_value_t = 1024)]
+    default_max_tokens: usize,
+    /// Where trained models, their history and checkpoints are kept.
+    #[arg(long, default_value = ".art")]
+    art_dir: PathBuf,
+}
+
+fn device(name: &str) -> anyhow::Result<art_core::engine::Device> {
+    use art_core::engine::Device;
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        cuda if cuda.starts_with("cuda") => {
+            let ordinal = cuda
+                .strip_prefix("cuda:")
+                .map(str::parse)
+                .transpose()?
+                .unwrap_or(0);
+            Ok(Device::new_cuda(ordinal)?)
+        }
+        other => anyhow::bail!("unknown device `{other}`: use cpu, cuda or cuda:N"),
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Serve(args) => {
+            let load = art_core::engine::LoadOptions {
+                device: device(&args.device)?,
+                ..Default::default()
+            };
+            serve(ServeOptions {
+                model: args.model,
+                served_model_name: args.served_model_name,
+                host: args.host,
+                port: args.port,
+                api_key: args.api_key,
+                max_batch: args.max_batch,
+                max_queue: args.max_queue,
+                default_max_tokens: args.default_max_tokens,
+                art_dir: args.art_dir,
+                load,
+            })
+            .await
+        }
+    }
+}

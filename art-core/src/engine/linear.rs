@@ -1,0 +1,188 @@
+//! A linear layer whose base weight is frozen, kept dense (for training and reference) and,
+//! for GGUF files, also quantized (for fast CPU inference).
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Storage, Tensor};
+
+use super::error::Result;
+use super::lora::LoraPair;
+
+/// `y = x W^T + b`, plus `scale * (x A^T) B^T` when a LoRA pair is given.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// `[out, in]`, in the model's compute dtype.
+    weight: Tensor,
+    /// The same weight in its quantized GGUF form, when the model came from a GGUF file.
+    quantized: Option<Arc<QMatMul>>,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
+        Linear {
+            weight,
+            quantized: None,
+            bias,
+        }
+    }
+
+    /// A linear layer from a quantized tensor: dequantized to `dtype` for the dense path, and
+    /// kept quantized too when `keep_quantized`.
+    pub fn from_qtensor(
+        qtensor: Arc<QTensor>,
+        bias: Option<Tensor>,
+        device: &Device,
+        dtype: DType,
+        keep_quantized: bool,
+    ) -> Result<Self> {
+        let weight = qtensor.dequantize(device)?.to_dtype(dtype)?;
+        let quantized = if keep_quantized {
+            Some(Arc::new(QMatMul::from_arc(qtensor)?))
+        } else {
+            None
+        };
+        Ok(Linear {
+            weight,
+            quantized,
+            bias,
+        })
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.weight.dims()[1]
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
+    pub fn has_quantized(&self) -> bool {
+        self.quantized.is_some()
+    }
+
+    /// `x`: `[..., in]` -> `[..., out]`. `quantized` selects the quantized weight when there is
+    /// one (inference only: it has no gradient, which is fine since the base is frozen, but its
+    /// values differ slightly from the dense ones). `lora` adds the adapter's update.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        quantized: bool,
+        lora: Option<(&LoraPair, bool)>,
+        lora_scale: f64,
+    ) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let in_dim = *dims.last().expect("linear input has at least one dim");
+        let rows = x.elem_count() / in_dim.max(1);
+        let x2 = x.reshape((rows, in_dim))?;
+        let mut y = match (&self.quantized, quantized) {
+            (Some(q), true) => q.forward(&x2)?,
+            _ if x2.track_op() => frozen_matmul(&x2, &self.weight)?,
+            _ => x2.matmul(&self.weight.t()?)?,
+        };
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        if let Some((pair, train)) = lora {
+            let (a, b) = pair.tensors(train);
+            let (a, b) = (a.to_dtype(x.dtype())?, b.to_dtype(x.dtype())?);
+            let delta = x2.matmul(&a.t()?)?.matmul(&b.t()?)?;
+            y = (y + (delta * lora_scale)?)?;
+        }
+        let mut out_dims = dims;
+        *out_dims.last_mut().unwrap() = self.out_features();
+        Ok(y.reshape(out_dims)?)
+    }
+
+    /// The adapter's update alone, `scale * (x A^T) B^T`, shaped like the layer's output.
+    pub(crate) fn lora_delta(
+        x: &Tensor,
+        pair: &LoraPair,
+        train: bool,
+        scale: f64,
+    ) -> Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let in_dim = *dims.last().expect("linear input has at least one dim");
+        let x2 = x.reshape((x.elem_count() / in_dim.max(1), in_dim))?;
+        let (a, b) = pair.tensors(train);
+        let (a, b) = (a.to_dtype(x.dtype())?, b.to_dtype(x.dtype())?);
+        let delta = (x2.matmul(&a.t()?)?.matmul(&b.t()?)? * scale)?;
+        let mut out_dims = dims;
+        *out_dims.last_mut().unwrap() = b.dims()[0];
+        Ok(delta.reshape(out_dims)?)
+    }
+}
+
+/// `x W^T` for a frozen `W` inside an autograd graph. A plain matmul would make backward compute
+/// the gradient of `W` too (candle computes gradients for every argument of a tracked op), which
+/// for a LoRA-only trainer is a third of all its matmul work thrown away. Here the product is
+/// computed without a graph and attached to `x` through a custom op whose backward is only
+/// `grad_x = grad_y W`.
+fn frozen_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let y = x.detach().matmul(&weight.t()?)?;
+    let (storage, layout) = y.storage_and_layout();
+    let output = storage.try_clone(layout)?;
+    let op = FrozenMatmul {
+        weight: weight.clone(),
+        shape: y.shape().clone(),
+        output: Mutex::new(Some(output)),
+    };
+    drop(storage);
+    Ok(x.apply_op1(op)?)
+}
+
+struct FrozenMatmul {
+    /// `[out, in]`.
+    weight: Tensor,
+    shape: Shape,
+    /// The product, computed before the op is applied; taken by the forward.
+    output: Mutex<Option<Storage>>,
+}
+
+impl FrozenMatmul {
+    fn take(&self) -> candle_core::Result<Storage> {
+        self.output
+            .lock()
+            .expect("frozen matmul lock")
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg("frozen matmul applied twice".into()))
+    }
+}
+
+impl CustomOp1 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-matmul"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        match self.take()? {
+            Storage::Cpu(s) => Ok((s, self.shape.clone())),
+            _ => Err(candle_core::Error::Msg(
+                "frozen matmul: device mismatch".into(),
+            )),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        match self.take()? {
+            Storage::Cuda(s) => Ok((s, self.shape.clone())),
+            _ => Err(candle_core::Error::Msg(
+                "frozen matmul: device mismatch".into(),
+            )),
+        }
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(grad.matmul(&self.weight)?))
+    }
+}

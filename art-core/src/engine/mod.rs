@@ -1,0 +1,272 @@
+//! The inference engine (feature `engine`): load a model (GGUF, Hugging Face directory, or the
+//! hub cache), tokenize, run the decoder with LoRA adapters and KV caches, sample with
+//! log-probabilities, and batch requests continuously.
+//!
+//! ```no_run
+//! use art_core::engine::{Engine, GenerationRequest, LoadOptions, ModelSource, SamplingParams};
+//! let engine = Engine::load(
+//!     &ModelSource::parse("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+//!     &LoadOptions::default(),
+//! )?;
+//! let prompt = engine.encode("The capital of France is", false)?;
+//! let out = engine.generate(vec![GenerationRequest {
+//!     prompt,
+//!     params: SamplingParams::greedy(8),
+//!     adapter: None,
+//! }])?;
+//! println!("{}", out[0].completions[0].text);
+//! # Ok::<(), art_core::engine::EngineError>(())
+//! ```
+
+pub mod chat_template;
+mod config;
+mod constraint;
+mod error;
+pub mod hub;
+mod linear;
+mod load;
+mod lora;
+mod model;
+pub mod random;
+mod sampler;
+mod scheduler;
+mod tokenizer;
+pub mod tool_calls;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
+
+/// The tensor library the engine is built on, for callers that need more of it (the trainer).
+pub use candle_core as candle;
+pub use candle_core::{DType, Device, Tensor, Var};
+pub use candle_nn;
+pub use config::{Architecture, ModelConfig};
+pub use constraint::Constraint;
+pub use error::{EngineError, Result};
+pub use linear::Linear;
+pub use load::{load, LoadOptions, LoadedModel, ModelSource};
+pub use lora::{LoraAdapter, LoraPair, Proj};
+pub use model::{log_softmax, Forward, KvCache, Model};
+pub use sampler::{SampledToken, Sampler, SamplingParams};
+pub use scheduler::{
+    Completion, FinishReason, GenerationOutput, GenerationRequest, RequestId, Scheduler, TokenEvent,
+};
+pub use tokenizer::TokenizerInfo;
+pub use tokenizers::Tokenizer;
+
+/// A loaded model ready to generate: the decoder, its tokenizer, and the LoRA adapters that
+/// requests may name. Shareable across threads (`Arc<Engine>`); adapters can be added and
+/// replaced while it serves.
+pub struct Engine {
+    model: Model,
+    tokenizer: Tokenizer,
+    info: TokenizerInfo,
+    name: String,
+    adapters: RwLock<HashMap<String, Arc<LoraAdapter>>>,
+    use_quantized: AtomicBool,
+    /// Built on the first constrained request (see [`Engine::prepare_constraints`]).
+    constraints: OnceLock<std::result::Result<constraint::ConstraintCompiler, String>>,
+}
+
+impl Engine {
+    /// Loads a model. Inference uses the dense weights by default; GGUF models can switch to
+    /// their quantized copies with [`Engine::set_use_quantized`] (on the machines measured so
+    /// far that is slower: candle's CPU kernels for Q4_1, SmolLM2's format, are scalar).
+    pub fn load(source: &ModelSource, options: &LoadOptions) -> Result<Self> {
+        Ok(Self::from_loaded(load::load(source, options)?))
+    }
+
+    pub fn from_loaded(loaded: LoadedModel) -> Self {
+        Engine {
+            model: loaded.model,
+            tokenizer: loaded.tokenizer,
+            info: loaded.info,
+            name: loaded.name,
+            adapters: RwLock::new(HashMap::new()),
+            use_quantized: AtomicBool::new(false),
+            constraints: OnceLock::new(),
+        }
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        self.model.config()
+    }
+
+    pub fn device(&self) -> &Device {
+        self.model.device()
+    }
+
+    /// The file, directory or repository name the model was loaded from.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn tokenizer_info(&self) -> &TokenizerInfo {
+        &self.info
+    }
+
+    /// The model's Jinja chat template, if it ships one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.info.chat_template.as_deref()
+    }
+
+    /// Token ids that end a generation.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.info.eos_token_ids
+    }
+
+    /// Text to token ids. `add_special_tokens` adds what the tokenizer's post-processor adds
+    /// (e.g. a bos token); special tokens written in the text (`<|im_start|>`) always encode as
+    /// their single ids.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let enc = self
+            .tokenizer
+            .encode(text, add_special_tokens)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.tokenizer
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
+    /// Whether inference uses the quantized weights (GGUF models only).
+    pub fn use_quantized(&self) -> bool {
+        self.use_quantized.load(Ordering::Relaxed)
+    }
+
+    /// Switches inference between quantized and dense (dequantized) weights. Has no effect on
+    /// models without quantized weights.
+    pub fn set_use_quantized(&self, on: bool) {
+        self.use_quantized
+            .store(on && self.model.has_quantized(), Ordering::Relaxed);
+    }
+
+    /// Registers (or replaces) a LoRA adapter under `name`; requests naming it use it from
+    /// their next start. Sequences already running keep the adapter they started with.
+    pub fn set_adapter(&self, name: impl Into<String>, adapter: Arc<LoraAdapter>) -> Result<()> {
+        if adapter.num_layers() != self.config().num_hidden_layers {
+            return Err(EngineError::Adapter(format!(
+                "the adapter has {} layers, the model {}",
+                adapter.num_layers(),
+                self.config().num_hidden_layers
+            )));
+        }
+        self.adapters
+            .write()
+            .expect("adapter registry poisoned")
+            .insert(name.into(), adapter);
+        Ok(())
+    }
+
+    pub fn remove_adapter(&self, name: &str) -> Option<Arc<LoraAdapter>> {
+        self.adapters
+            .write()
+            .expect("adapter registry poisoned")
+            .remove(name)
+    }
+
+    pub fn adapter(&self, name: &str) -> Option<Arc<LoraAdapter>> {
+        self.adapters
+            .read()
+            .expect("adapter registry poisoned")
+            .get(name)
+            .cloned()
+    }
+
+    pub fn adapter_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .adapters
+            .read()
+            .expect("adapter registry poisoned")
+            .keys()
+            .cloned()
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Builds the token trie that constrained decoding needs (done once, on the first constrained
+    /// request otherwise; ~0.1-1 s for a large vocabulary). Fails when the tokenizer cannot
+    /// support it (neither byte-level BPE nor byte-fallback).
+    pub fn prepare_constraints(&self) -> Result<()> {
+        self.constraint_compiler().map(|_| ())
+    }
+
+    fn constraint_compiler(&self) -> Result<&constraint::ConstraintCompiler> {
+        self.constraints
+            .get_or_init(|| {
+                constraint::ConstraintCompiler::new(
+                    &self.tokenizer,
+                    self.config().vocab_size,
+                    self.eos_token_ids(),
+                )
+            })
+            .as_ref()
+            .map_err(|e| {
+                EngineError::InvalidRequest(format!(
+                    "constrained decoding is unavailable for this model: {e}"
+                ))
+            })
+    }
+
+    /// A scheduler for step-wise, continuously batched generation on this engine.
+    pub fn scheduler(&self) -> Scheduler<'_> {
+        Scheduler::new(self)
+    }
+
+    /// Generates for all `requests` together (batched) and returns their outputs in order.
+    pub fn generate(&self, requests: Vec<GenerationRequest>) -> Result<Vec<GenerationOutput>> {
+        let mut scheduler = self.scheduler();
+        let ids = requests
+            .into_iter()
+            .map(|r| scheduler.add(r))
+            .collect::<Result<Vec<_>>>()?;
+        let mut done: HashMap<RequestId, GenerationOutput> = HashMap::new();
+        while !scheduler.is_idle() {
+            scheduler.step()?;
+            done.extend(scheduler.take_finished());
+        }
+        Ok(ids
+            .into_iter()
+            .map(|id| done.remove(&id).expect("every request finishes"))
+            .collect())
+    }
+
+    /// Log-probabilities of `tokens[1..]` given their prefixes (one full forward with the dense
+    /// weights, as the trainer computes them). `result[i]` is the logprob of `tokens[i + 1]`.
+    pub fn token_logprobs(
+        &self,
+        tokens: &[u32],
+        adapter: Option<&LoraAdapter>,
+    ) -> Result<Vec<f32>> {
+        if tokens.len() < 2 {
+            return Ok(Vec::new());
+        }
+        let input = Tensor::new(tokens, self.device())?.unsqueeze(0)?;
+        let fwd = Forward {
+            adapter,
+            train: false,
+            quantized: false,
+        };
+        let logits = self.model.forward_full(&input, fwd)?.squeeze(0)?;
+        let lp = log_softmax(&logits)?;
+        let targets = Tensor::new(&tokens[1..], self.device())?.unsqueeze(1)?;
+        let picked = lp
+            .narrow(0, 0, tokens.len() - 1)?
+            .gather(&targets, 1)?
+            .squeeze(1)?;
+        Ok(picked.to_vec1()?)
+    }
+}

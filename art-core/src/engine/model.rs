@@ -1,0 +1,633 @@
+//! The decoder: llama, qwen2 and qwen3 in one implementation.
+//!
+//! Reads top to bottom like candle-transformers' `qwen2.rs`: RMS norm, rotary embedding,
+//! attention (grouped-query, optional q/k/v biases and q/k norms), SwiGLU MLP, decoder layer,
+//! model. Every forward takes a [`Forward`] that says which LoRA adapter to apply (if any),
+//! whether gradients are wanted, and whether quantized weights may be used.
+//!
+//! Two ways in: [`Model::forward_full`] runs whole sequences from position 0 with a causal mask
+//! and returns logits for every position (the trainer's path); [`Model::forward_cached`] runs new
+//! tokens of several independent sequences, each against its own [`KvCache`] (prefill and
+//! batched decode; sequences can join or leave between calls).
+
+use candle_core::{DType, Device, Tensor, D};
+
+use super::config::ModelConfig;
+use super::error::{EngineError, Result};
+use super::linear::Linear;
+use super::lora::{LoraAdapter, Proj};
+
+/// How to run one forward pass.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Forward<'a> {
+    /// The LoRA adapter to apply, if any.
+    pub adapter: Option<&'a LoraAdapter>,
+    /// Build the autograd graph through the adapter's variables (training). When false the
+    /// adapter is applied through detached views and fused kernels without gradients are used.
+    pub train: bool,
+    /// Use the quantized copies of the weights where the model has them (inference only).
+    pub quantized: bool,
+}
+
+impl<'a> Forward<'a> {
+    fn lora(&self, layer: usize, proj: Proj) -> (Option<(&'a super::lora::LoraPair, bool)>, f64) {
+        match self.adapter {
+            Some(a) => (a.get(layer, proj).map(|p| (p, self.train)), a.scale()),
+            None => (None, 0.0),
+        }
+    }
+
+    fn linear(&self, lin: &Linear, x: &Tensor, layer: usize, proj: Proj) -> Result<Tensor> {
+        let (lora, scale) = self.lora(layer, proj);
+        let dropout = self.adapter.map_or(0.0, |a| a.config().dropout);
+        match lora {
+            // LoRA dropout (training only): the adapter branch sees a dropped-out input, the
+            // frozen base the whole input, as in PEFT.
+            Some((pair, true)) if dropout > 0.0 => {
+                let y = lin.forward(x, self.quantized, None, 0.0)?;
+                let dropped = candle_nn::ops::dropout(x, dropout as f32)?;
+                let delta = Linear::lora_delta(&dropped, pair, true, scale)?;
+                Ok((y + delta)?)
+            }
+            _ => lin.forward(x, self.quantized, lora, scale),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(weight: Tensor, eps: f64) -> Self {
+        RmsNorm { weight, eps }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.track_op() || x.dtype() == DType::F64 {
+            // The fused kernel has no backward pass (nor an f64 version).
+            Ok(candle_nn::ops::rms_norm_slow(
+                x,
+                &self.weight,
+                self.eps as f32,
+            )?)
+        } else {
+            Ok(candle_nn::ops::rms_norm(
+                &x.contiguous()?,
+                &self.weight,
+                self.eps as f32,
+            )?)
+        }
+    }
+}
+
+/// Rotary position embedding, non-interleaved (the two halves of each head rotate together),
+/// computed per position on demand so that every sequence of a batch can sit at its own offset.
+#[derive(Debug, Clone)]
+struct Rotary {
+    /// `theta^(-2i/d)` for `i < d/2`, in f32 as Hugging Face computes it.
+    inv_freq: Vec<f32>,
+}
+
+/// `cos` and `sin` for the positions of one forward: `[B, L, head_dim/2]`.
+struct RopeTables {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rotary {
+    fn new(config: &ModelConfig) -> Self {
+        let d = config.head_dim;
+        let inv_freq = (0..d / 2)
+            .map(|i| 1.0 / (config.rope_theta as f32).powf((2 * i) as f32 / d as f32))
+            .collect();
+        Rotary { inv_freq }
+    }
+
+    /// `positions[b]` is the first position of row `b`; each row has `len` positions.
+    fn tables(
+        &self,
+        positions: &[usize],
+        len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<RopeTables> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * len * half);
+        let mut sin = Vec::with_capacity(cos.capacity());
+        for &start in positions {
+            for p in start..start + len {
+                for &f in &self.inv_freq {
+                    let angle = p as f32 * f;
+                    cos.push(angle.cos());
+                    sin.push(angle.sin());
+                }
+            }
+        }
+        let shape = (positions.len(), len, half);
+        Ok(RopeTables {
+            cos: Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
+            sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
+        })
+    }
+}
+
+impl RopeTables {
+    /// `x`: `[B, H, L, head_dim]`.
+    fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        if !x.track_op() {
+            return Ok(candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)?);
+        }
+        // Differentiable form: x * cos + rotate_half(x) * sin.
+        let cos = Tensor::cat(&[&self.cos, &self.cos], D::Minus1)?.unsqueeze(1)?;
+        let sin = Tensor::cat(&[&self.sin, &self.sin], D::Minus1)?.unsqueeze(1)?;
+        let half = x.dim(D::Minus1)? / 2;
+        let x1 = x.narrow(D::Minus1, 0, half)?;
+        let x2 = x.narrow(D::Minus1, half, half)?;
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
+    }
+}
+
+/// The keys and values one sequence has seen, for every layer. Storage grows by doubling, and
+/// new entries are written in place.
+#[derive(Debug, Clone, Default)]
+pub struct KvCache {
+    layers: Vec<LayerKv>,
+    len: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+struct LayerKv {
+    /// `[1, kv_heads, capacity, head_dim]`, valid up to the cache's `len`.
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+}
+
+impl KvCache {
+    pub fn new(num_layers: usize) -> Self {
+        KvCache {
+            layers: vec![LayerKv::default(); num_layers],
+            len: 0,
+        }
+    }
+
+    /// Tokens cached so far (the position of the next token).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// An independent copy (for sampling several continuations of one prompt).
+    pub fn deep_clone(&self) -> Result<Self> {
+        let copy = |t: &Option<Tensor>| -> Result<Option<Tensor>> {
+            Ok(match t {
+                Some(t) => Some(t.copy()?),
+                None => None,
+            })
+        };
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(LayerKv {
+                    k: copy(&l.k)?,
+                    v: copy(&l.v)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(KvCache {
+            layers,
+            len: self.len,
+        })
+    }
+}
+
+impl LayerKv {
+    /// Writes `k`, `v` (`[1, kv, L, hd]`) at position `start` and returns views of everything
+    /// cached so far, `[1, kv, start + L, hd]`.
+    fn append(&mut self, start: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let new_len = start + k.dim(2)?;
+        let capacity = self.k.as_ref().map(|t| t.dim(2)).transpose()?.unwrap_or(0);
+        if new_len > capacity {
+            let new_capacity = new_len.max(2 * capacity).max(64);
+            let grow = |old: &Option<Tensor>, like: &Tensor| -> Result<Tensor> {
+                let (b, h, _, d) = like.dims4()?;
+                let buf = Tensor::zeros((b, h, new_capacity, d), like.dtype(), like.device())?;
+                if let Some(old) = old {
+                    buf.slice_set(old, 2, 0)?;
+                }
+                Ok(buf)
+            };
+            self.k = Some(grow(&self.k, k)?);
+            self.v = Some(grow(&self.v, v)?);
+        }
+        let (kb, vb) = (self.k.as_ref().unwrap(), self.v.as_ref().unwrap());
+        kb.slice_set(&k.contiguous()?, 2, start)?;
+        vb.slice_set(&v.contiguous()?, 2, start)?;
+        Ok((kb.narrow(2, 0, new_len)?, vb.narrow(2, 0, new_len)?))
+    }
+}
+
+/// Additive causal mask `[L, offset + L]`: query `l` sees keys `0..=offset + l`.
+fn causal_mask(len: usize, offset: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+    let total = offset + len;
+    let mask: Vec<f32> = (0..len)
+        .flat_map(|l| {
+            (0..total).map(move |t| {
+                if t <= offset + l {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Ok(Tensor::from_vec(mask, (len, total), device)?.to_dtype(dtype)?)
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    layer: usize,
+}
+
+impl Attention {
+    /// `x`: `[B, L, hidden]`. With `caches`, row `b` continues sequence `caches[b]` from its
+    /// current length; without, every row starts at position 0.
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RopeTables,
+        caches: Option<&mut [&mut KvCache]>,
+        fwd: &Forward,
+    ) -> Result<Tensor> {
+        let (b, l, _) = x.dims3()?;
+        let (h, kv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let q = fwd.linear(&self.q_proj, x, self.layer, Proj::Q)?;
+        let k = fwd.linear(&self.k_proj, x, self.layer, Proj::K)?;
+        let v = fwd.linear(&self.v_proj, x, self.layer, Proj::V)?;
+        let mut q = q.reshape((b, l, h, hd))?;
+        let mut k = k.reshape((b, l, kv, hd))?;
+        if let Some(n) = &self.q_norm {
+            q = n.forward(&q)?;
+        }
+        if let Some(n) = &self.k_norm {
+            k = n.forward(&k)?;
+        }
+        let q = rope.apply(&q.transpose(1, 2)?)?;
+        let k = rope.apply(&k.transpose(1, 2)?)?;
+        let v = v.reshape((b, l, kv, hd))?.transpose(1, 2)?.contiguous()?;
+        // Fold the softmax scale into q once.
+        let q = (q * (1.0 / (hd as f64).sqrt()))?;
+
+        let out = match caches {
+            None => {
+                let mask = (l > 1)
+                    .then(|| causal_mask(l, 0, q.dtype(), q.device()))
+                    .transpose()?;
+                self.attend(&q, &k, &v, mask.as_ref())?
+            }
+            Some(caches) => {
+                let mut rows = Vec::with_capacity(b);
+                for (i, cache) in caches.iter_mut().enumerate() {
+                    let start = cache.len;
+                    let (k_all, v_all) = cache.layers[self.layer].append(
+                        start,
+                        &k.narrow(0, i, 1)?,
+                        &v.narrow(0, i, 1)?,
+                    )?;
+                    let mask = (l > 1)
+                        .then(|| causal_mask(l, start, q.dtype(), q.device()))
+                        .transpose()?;
+                    rows.push(self.attend(&q.narrow(0, i, 1)?, &k_all, &v_all, mask.as_ref())?);
+                }
+                Tensor::cat(&rows, 0)?
+            }
+        };
+        // [B, H, L, hd] -> [B, L, H * hd]
+        let out = out.transpose(1, 2)?.reshape((b, l, h * hd))?;
+        fwd.linear(&self.o_proj, &out, self.layer, Proj::O)
+    }
+
+    /// Grouped-query attention without copying keys per head: the `n_rep` query heads sharing a
+    /// key/value head are stacked along the query axis. `q`: `[B, H, L, hd]` (pre-scaled),
+    /// `k`, `v`: `[B, kv, T, hd]`, `mask`: `[L, T]` additive.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        let (b, h, l, hd) = q.dims4()?;
+        let kv = self.num_kv_heads;
+        let n_rep = h / kv;
+        let q = q.reshape((b, kv, n_rep * l, hd))?;
+        let mut scores = q.matmul(&k.t()?)?;
+        if let Some(mask) = mask {
+            let t = mask.dim(1)?;
+            let mask = mask
+                .unsqueeze(0)?
+                .repeat((n_rep, 1, 1))?
+                .reshape((n_rep * l, t))?;
+            scores = scores.broadcast_add(&mask)?;
+        }
+        let probs = if scores.track_op() {
+            candle_nn::ops::softmax(&scores, D::Minus1)?
+        } else {
+            candle_nn::ops::softmax_last_dim(&scores)?
+        };
+        Ok(probs.matmul(&v.contiguous()?)?.reshape((b, h, l, hd))?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+    layer: usize,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor, fwd: &Forward) -> Result<Tensor> {
+        let gate = fwd.linear(&self.gate_proj, x, self.layer, Proj::Gate)?;
+        let up = fwd.linear(&self.up_proj, x, self.layer, Proj::Up)?;
+        let hidden = (gate.silu()? * up)?;
+        fwd.linear(&self.down_proj, &hidden, self.layer, Proj::Down)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        rope: &RopeTables,
+        caches: Option<&mut [&mut KvCache]>,
+        fwd: &Forward,
+    ) -> Result<Tensor> {
+        let h = self.input_layernorm.forward(x)?;
+        let x = (x + self.self_attn.forward(&h, rope, caches, fwd)?)?;
+        let h = self.post_attention_layernorm.forward(&x)?;
+        Ok((&x + self.mlp.forward(&h, fwd)?)?)
+    }
+}
+
+/// Named weights for building a [`Model`]: dense tensors, or linear layers already built (from
+/// quantized GGUF tensors).
+pub trait WeightSource {
+    /// A dense tensor (norm weights, embeddings, biases).
+    fn tensor(&mut self, name: &str) -> Result<Tensor>;
+    fn has(&self, name: &str) -> bool;
+    /// A linear layer `<prefix>.weight` (+ `<prefix>.bias` when `bias`).
+    fn linear(&mut self, prefix: &str, bias: bool) -> Result<Linear>;
+}
+
+/// A whole decoder with its embedding and language-model head.
+#[derive(Debug, Clone)]
+pub struct Model {
+    config: ModelConfig,
+    embed_tokens: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary: Rotary,
+    device: Device,
+    dtype: DType,
+}
+
+impl Model {
+    /// Builds the model from Hugging Face-named weights (`model.layers.0.self_attn.q_proj.weight`).
+    pub fn load(config: &ModelConfig, w: &mut dyn WeightSource, device: &Device) -> Result<Self> {
+        let c = config;
+        let eps = c.rms_norm_eps;
+        let embed_tokens = w.tensor("model.embed_tokens.weight")?;
+        let dtype = embed_tokens.dtype();
+        if embed_tokens.dims() != [c.vocab_size, c.hidden_size] {
+            return Err(EngineError::Weights(format!(
+                "the embedding is {:?}, the config says vocab {} x hidden {}",
+                embed_tokens.dims(),
+                c.vocab_size,
+                c.hidden_size
+            )));
+        }
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let norm = |w: &mut dyn WeightSource, name: &str| -> Result<Option<RmsNorm>> {
+                let name = format!("{p}.{name}.weight");
+                Ok(if w.has(&name) {
+                    Some(RmsNorm::new(w.tensor(&name)?, eps))
+                } else {
+                    None
+                })
+            };
+            let q_norm = if c.qk_norm {
+                norm(w, "self_attn.q_norm")?
+            } else {
+                None
+            };
+            let k_norm = if c.qk_norm {
+                norm(w, "self_attn.k_norm")?
+            } else {
+                None
+            };
+            let self_attn = Attention {
+                q_proj: w.linear(&format!("{p}.self_attn.q_proj"), c.qkv_bias)?,
+                k_proj: w.linear(&format!("{p}.self_attn.k_proj"), c.qkv_bias)?,
+                v_proj: w.linear(&format!("{p}.self_attn.v_proj"), c.qkv_bias)?,
+                o_proj: w.linear(&format!("{p}.self_attn.o_proj"), c.o_bias)?,
+                q_norm,
+                k_norm,
+                num_heads: c.num_attention_heads,
+                num_kv_heads: c.num_key_value_heads,
+                head_dim: c.head_dim,
+                layer: i,
+            };
+            let mlp = Mlp {
+                gate_proj: w.linear(&format!("{p}.mlp.gate_proj"), false)?,
+                up_proj: w.linear(&format!("{p}.mlp.up_proj"), false)?,
+                down_proj: w.linear(&format!("{p}.mlp.down_proj"), false)?,
+                layer: i,
+            };
+            layers.push(DecoderLayer {
+                input_layernorm: RmsNorm::new(
+                    w.tensor(&format!("{p}.input_layernorm.weight"))?,
+                    eps,
+                ),
+                self_attn,
+                post_attention_layernorm: RmsNorm::new(
+                    w.tensor(&format!("{p}.post_attention_layernorm.weight"))?,
+                    eps,
+                ),
+                mlp,
+            });
+        }
+        let norm = RmsNorm::new(w.tensor("model.norm.weight")?, eps);
+        let lm_head = if w.has("lm_head.weight") {
+            w.linear("lm_head", false)?
+        } else {
+            // Tied embeddings (the source may still offer a quantized copy of the embedding).
+            w.linear("model.embed_tokens", false)?
+        };
+        Ok(Model {
+            config: c.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary: Rotary::new(c),
+            device: device.clone(),
+            dtype,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The compute dtype (f32 on CPU, bf16 on CUDA).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// True when the weights also have quantized copies ([`Forward::quantized`] has an effect).
+    pub fn has_quantized(&self) -> bool {
+        self.lm_head.has_quantized()
+    }
+
+    /// A new, empty cache for one sequence.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.layers.len())
+    }
+
+    fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {
+        let (b, l) = input_ids.dims2()?;
+        let flat = input_ids.flatten_all()?;
+        Ok(self
+            .embed_tokens
+            .index_select(&flat, 0)?
+            .reshape((b, l, self.config.hidden_size))?)
+    }
+
+    fn check_ids(&self, input_ids: &Tensor) -> Result<()> {
+        if input_ids.dtype() != DType::U32 {
+            return Err(EngineError::InvalidRequest(format!(
+                "token ids must be u32, got {:?}",
+                input_ids.dtype()
+            )));
+        }
+        let max = input_ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
+        if max as usize >= self.config.vocab_size {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {max} is outside the vocabulary of {} tokens",
+                self.config.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn head(&self, x: &Tensor, fwd: &Forward) -> Result<Tensor> {
+        let x = self.norm.forward(x)?;
+        let logits = self.lm_head.forward(&x, fwd.quantized, None, 0.0)?;
+        Ok(logits.to_dtype(DType::F32)?)
+    }
+
+    /// Logits `[B, L, vocab]` (f32) for sequences `input_ids` (`[B, L]`, u32) that all start at
+    /// position 0. Rows may be right-padded: a causal model's outputs at real positions do not
+    /// depend on later padding.
+    pub fn forward_full(&self, input_ids: &Tensor, fwd: Forward) -> Result<Tensor> {
+        let x = self.forward_layers(input_ids, &fwd)?;
+        self.head(&x, &fwd)
+    }
+
+    /// The final hidden states `[B, L, hidden]` (after the last norm, in the model's dtype) for
+    /// sequences that start at position 0, as [`Model::forward_full`] computes them before the
+    /// language-model head. A trainer applies [`Model::logits`] to the positions it needs only.
+    pub fn forward_hidden(&self, input_ids: &Tensor, fwd: Forward) -> Result<Tensor> {
+        let x = self.forward_layers(input_ids, &fwd)?;
+        self.norm.forward(&x)
+    }
+
+    /// The language-model head on final hidden states `[..., hidden]` -> logits `[..., vocab]`,
+    /// in the model's dtype (f32 for f32 and f64 models) or f32 for half-precision models.
+    pub fn logits(&self, hidden: &Tensor, fwd: Forward) -> Result<Tensor> {
+        let logits = self.lm_head.forward(hidden, fwd.quantized, None, 0.0)?;
+        Ok(match logits.dtype() {
+            DType::F64 | DType::F32 => logits,
+            _ => logits.to_dtype(DType::F32)?,
+        })
+    }
+
+    fn forward_layers(&self, input_ids: &Tensor, fwd: &Forward) -> Result<Tensor> {
+        self.check_ids(input_ids)?;
+        let (b, l) = input_ids.dims2()?;
+        let rope = self
+            .rotary
+            .tables(&vec![0; b], l, self.dtype, &self.device)?;
+        let mut x = self.embed(input_ids)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &rope, None, fwd)?;
+        }
+        Ok(x)
+    }
+
+    /// Runs `input_ids` (`[B, L]`) where row `b` continues the sequence cached in `caches[b]`,
+    /// and appends the new keys/values to the caches. Returns logits `[B, L, vocab]`, or
+    /// `[B, 1, vocab]` for the last position only when `last_only`.
+    pub fn forward_cached(
+        &self,
+        input_ids: &Tensor,
+        caches: &mut [&mut KvCache],
+        fwd: Forward,
+        last_only: bool,
+    ) -> Result<Tensor> {
+        self.check_ids(input_ids)?;
+        let (b, l) = input_ids.dims2()?;
+        if caches.len() != b {
+            return Err(EngineError::InvalidRequest(format!(
+                "{b} rows of tokens but {} caches",
+                caches.len()
+            )));
+        }
+        let starts: Vec<usize> = caches.iter().map(|c| c.len).collect();
+        let rope = self.rotary.tables(&starts, l, self.dtype, &self.device)?;
+        let mut x = self.embed(input_ids)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &rope, Some(&mut *caches), &fwd)?;
+        }
+        for cache in caches.iter_mut() {
+            cache.len += l;
+        }
+        if last_only && l > 1 {
+            x = x.narrow(1, l - 1, 1)?;
+        }
+        self.head(&x, &fwd)
+    }
+}
+
+/// Log-softmax over the last dimension, differentiable.
+pub fn log_softmax(logits: &Tensor) -> Result<Tensor> {
+    Ok(candle_nn::ops::log_softmax(logits, D::Minus1)?)
+}

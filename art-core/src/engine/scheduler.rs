@@ -1,0 +1,463 @@
+//! Continuous batching: requests join and leave a running batch between steps.
+//!
+//! A [`Scheduler`] owns the sequences in flight. Each [`Scheduler::step`] prefills the requests
+//! that arrived since the last step (each gets its first token), then runs one batched decode
+//! forward for every other running sequence (one forward per LoRA adapter in use), samples one
+//! token for each, and retires the sequences that finished. The server calls `add` as requests
+//! come in, `step` in a loop, and `take_finished` to answer them; [`Engine::generate`] is that
+//! loop for a fixed set of requests.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use candle_core::Tensor;
+
+use super::constraint::{CompiledConstraint, Guide};
+use super::error::{EngineError, Result};
+use super::lora::LoraAdapter;
+use super::model::{Forward, KvCache};
+use super::sampler::{SampledToken, Sampler, SamplingParams};
+use super::Engine;
+
+/// One generation request: a tokenized prompt and how to continue it.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationRequest {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// The name of a registered LoRA adapter ([`Engine::set_adapter`]); `None` = the base model.
+    pub adapter: Option<String>,
+}
+
+/// Why a completion ended (OpenAI's `finish_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence / stop token, or a stop string.
+    Stop,
+    /// `max_tokens`, or the model's context length, was reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// One finished completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// Which of the request's `n` completions this is.
+    pub index: usize,
+    /// Every generated token with its log-probability, in order. A final end-of-sequence or
+    /// stop token is included (a trainer must see it), though not in `text`.
+    pub tokens: Vec<SampledToken>,
+    /// The decoded text, special tokens skipped, cut before a matched stop string.
+    pub text: String,
+    pub finish_reason: FinishReason,
+}
+
+impl Completion {
+    pub fn token_ids(&self) -> Vec<u32> {
+        self.tokens.iter().map(|t| t.id).collect()
+    }
+
+    pub fn logprobs(&self) -> Vec<f32> {
+        self.tokens.iter().map(|t| t.logprob).collect()
+    }
+}
+
+/// The answer to one request: its `n` completions in index order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationOutput {
+    pub prompt_tokens: usize,
+    pub completions: Vec<Completion>,
+}
+
+/// Identifies a request inside one scheduler.
+pub type RequestId = u64;
+
+/// A token produced by a step (for streaming).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenEvent {
+    pub request: RequestId,
+    pub index: usize,
+    pub token: SampledToken,
+    /// Set when this token ended the completion.
+    pub finished: Option<FinishReason>,
+}
+
+struct Sequence {
+    request: RequestId,
+    index: usize,
+    /// The last token, not yet fed to the model.
+    next_input: u32,
+    generated: Vec<SampledToken>,
+    cache: KvCache,
+    sampler: Sampler,
+    adapter: Option<Arc<LoraAdapter>>,
+    finish: Option<(FinishReason, String)>,
+    /// The matcher of the request's constraint, if it has one.
+    guide: Option<Guide>,
+}
+
+struct Pending {
+    prompt_tokens: usize,
+    completions: Vec<Option<Completion>>,
+    /// The compiled constraint, until the request starts.
+    constraint: Option<CompiledConstraint>,
+}
+
+/// Sequences in flight on one engine. See the module docs.
+pub struct Scheduler<'e> {
+    engine: &'e Engine,
+    waiting: VecDeque<(RequestId, GenerationRequest, Option<Arc<LoraAdapter>>)>,
+    running: Vec<Sequence>,
+    pending: HashMap<RequestId, Pending>,
+    finished: Vec<(RequestId, GenerationOutput)>,
+    next_id: RequestId,
+    /// Upper bound on prompt tokens prefilled in one step (at least one request always is).
+    pub max_prefill_tokens_per_step: usize,
+}
+
+impl<'e> Scheduler<'e> {
+    pub fn new(engine: &'e Engine) -> Self {
+        Scheduler {
+            engine,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pending: HashMap::new(),
+            finished: Vec::new(),
+            next_id: 0,
+            max_prefill_tokens_per_step: 4096,
+        }
+    }
+
+    /// Queues a request; it starts on the next step. Fails at once on an invalid request
+    /// (empty or too long prompt, bad sampling parameters, unknown adapter, bad token id, a
+    /// constraint that does not compile).
+    pub fn add(&mut self, request: GenerationRequest) -> Result<RequestId> {
+        let config = self.engine.config();
+        if request.prompt.is_empty() {
+            return Err(EngineError::InvalidRequest(
+                "the prompt is empty; it needs at least one token".into(),
+            ));
+        }
+        if request.prompt.len() >= config.max_position_embeddings {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt has {} tokens; the model's context is {} tokens",
+                request.prompt.len(),
+                config.max_position_embeddings
+            )));
+        }
+        if let Some(bad) = request
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= config.vocab_size)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt token id {bad} is outside the vocabulary of {} tokens",
+                config.vocab_size
+            )));
+        }
+        request
+            .params
+            .validate()
+            .map_err(EngineError::InvalidRequest)?;
+        let adapter = match &request.adapter {
+            None => None,
+            Some(name) => Some(self.engine.adapter(name).ok_or_else(|| {
+                EngineError::InvalidRequest(format!(
+                    "no LoRA adapter named `{name}` is loaded; loaded: [{}]",
+                    self.engine.adapter_names().join(", ")
+                ))
+            })?),
+        };
+        let constraint = match &request.params.constraint {
+            None => None,
+            Some(c) => Some(self.engine.constraint_compiler()?.compile(c)?),
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        self.pending.insert(
+            id,
+            Pending {
+                prompt_tokens: request.prompt.len(),
+                completions: vec![None; request.params.n],
+                constraint,
+            },
+        );
+        self.waiting.push_back((id, request, adapter));
+        Ok(id)
+    }
+
+    /// Drops a request, queued or running. Returns whether it was there.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        let before = self.waiting.len() + self.running.len();
+        self.waiting.retain(|(r, _, _)| *r != id);
+        self.running.retain(|s| s.request != id);
+        let was_pending = self.pending.remove(&id).is_some();
+        was_pending || before != self.waiting.len() + self.running.len()
+    }
+
+    /// Sequences being decoded (completions, not requests).
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests not started yet.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Nothing queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Requests whose completions have all finished, since the last call.
+    pub fn take_finished(&mut self) -> Vec<(RequestId, GenerationOutput)> {
+        std::mem::take(&mut self.finished)
+    }
+
+    /// Advances every sequence by one token (see the module docs). Returns the new tokens.
+    pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
+        let mut events = Vec::new();
+        // Decode the sequences that were already running before this step's prefills.
+        let decode_count = self.running.len();
+        self.decode(decode_count, &mut events)?;
+        self.prefill(&mut events)?;
+        self.retire();
+        Ok(events)
+    }
+
+    fn forward_options<'a>(&self, adapter: Option<&'a LoraAdapter>) -> Forward<'a> {
+        Forward {
+            adapter,
+            train: false,
+            quantized: self.engine.use_quantized(),
+        }
+    }
+
+    fn prefill(&mut self, events: &mut Vec<TokenEvent>) -> Result<()> {
+        let mut budget = self.max_prefill_tokens_per_step;
+        let mut first = true;
+        while let Some((_, request, _)) = self.waiting.front() {
+            if !first && request.prompt.len() > budget {
+                break;
+            }
+            first = false;
+            budget = budget.saturating_sub(request.prompt.len());
+            let (id, request, adapter) = self.waiting.pop_front().unwrap();
+            let model = self.engine.model();
+            let mut cache = model.new_cache();
+            let input = Tensor::new(request.prompt.as_slice(), model.device())?.unsqueeze(0)?;
+            let fwd = self.forward_options(adapter.as_deref());
+            let logits = model.forward_cached(&input, &mut [&mut cache], fwd, true)?;
+            let row: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+            let n = request.params.n;
+            let constraint = self.pending.get_mut(&id).and_then(|p| p.constraint.take());
+            for index in 0..n {
+                let cache = if index + 1 == n {
+                    std::mem::take(&mut cache)
+                } else {
+                    cache.deep_clone()?
+                };
+                let mut seq = Sequence {
+                    request: id,
+                    index,
+                    next_input: 0,
+                    generated: Vec::new(),
+                    cache,
+                    sampler: Sampler::new(request.params.clone(), index),
+                    adapter: adapter.clone(),
+                    finish: None,
+                    guide: constraint.as_ref().map(CompiledConstraint::start),
+                };
+                self.engine
+                    .sample_and_accept(&mut seq, &mut row.clone(), events);
+                self.running.push(seq);
+            }
+        }
+        Ok(())
+    }
+
+    /// One batched forward per adapter over the first `count` running sequences.
+    fn decode(&mut self, count: usize, events: &mut Vec<TokenEvent>) -> Result<()> {
+        let mut groups: Vec<(Option<*const LoraAdapter>, Vec<usize>)> = Vec::new();
+        for (i, seq) in self.running[..count].iter().enumerate() {
+            if seq.finish.is_some() {
+                continue;
+            }
+            let key = seq.adapter.as_ref().map(Arc::as_ptr);
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((key, vec![i])),
+            }
+        }
+        let model = self.engine.model();
+        for (_, members) in groups {
+            let adapter = self.running[members[0]].adapter.clone();
+            let inputs: Vec<u32> = members
+                .iter()
+                .map(|&i| self.running[i].next_input)
+                .collect();
+            let input = Tensor::new(inputs.as_slice(), model.device())?.unsqueeze(1)?;
+            let logits = {
+                let mut caches: Vec<&mut KvCache> = Vec::with_capacity(members.len());
+                // Borrow the member sequences' caches mutably, in `members` order.
+                let mut rest: &mut [Sequence] = &mut self.running[..];
+                let mut offset = 0;
+                for &i in &members {
+                    let (_, tail) = rest.split_at_mut(i - offset);
+                    let (seq, tail) = tail.split_first_mut().unwrap();
+                    caches.push(&mut seq.cache);
+                    rest = tail;
+                    offset = i + 1;
+                }
+                let fwd = Forward {
+                    adapter: adapter.as_deref(),
+                    train: false,
+                    quantized: self.engine.use_quantized(),
+                };
+                model.forward_cached(&input, &mut caches, fwd, true)?
+            };
+            let rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
+            for (&i, mut row) in members.iter().zip(rows) {
+                self.engine
+                    .sample_and_accept(&mut self.running[i], &mut row, events);
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves finished sequences out of the batch, and finished requests to `finished`.
+    fn retire(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].finish.is_none() {
+                i += 1;
+                continue;
+            }
+            let seq = self.running.swap_remove(i);
+            let (finish_reason, text) = seq.finish.expect("checked above");
+            let Some(pending) = self.pending.get_mut(&seq.request) else {
+                continue;
+            };
+            pending.completions[seq.index] = Some(Completion {
+                index: seq.index,
+                tokens: seq.generated,
+                text,
+                finish_reason,
+            });
+            if pending.completions.iter().all(Option::is_some) {
+                let pending = self.pending.remove(&seq.request).unwrap();
+                self.finished.push((
+                    seq.request,
+                    GenerationOutput {
+                        prompt_tokens: pending.prompt_tokens,
+                        completions: pending.completions.into_iter().flatten().collect(),
+                    },
+                ));
+            }
+        }
+        // Keep the batch in arrival order (swap_remove shuffles it); decode order does not affect
+        // results, but a stable order keeps runs easy to follow.
+        self.running.sort_by_key(|s| (s.request, s.index));
+    }
+}
+
+impl Engine {
+    /// Samples `seq`'s next token from its logits `row` (masked first by its constraint, if any)
+    /// and records it. A constrained sequence whose grammar admits nothing more also gets an
+    /// end-of-sequence token (logprob 0: it was the only allowed token), room permitting.
+    fn sample_and_accept(&self, seq: &mut Sequence, row: &mut [f32], events: &mut Vec<TokenEvent>) {
+        if let Some(guide) = &mut seq.guide {
+            guide.mask(row);
+        }
+        let token = seq.sampler.sample(row);
+        if let Some(guide) = &mut seq.guide {
+            guide.advance(token.id);
+        }
+        events.push(self.accept(seq, token));
+        if seq.finish.is_some() {
+            return;
+        }
+        if let Some(eos) = seq.guide.as_ref().and_then(Guide::end_token) {
+            let top_logprobs = if seq.sampler.params().top_logprobs > 0 {
+                vec![(eos, 0.0)]
+            } else {
+                Vec::new()
+            };
+            let token = SampledToken {
+                id: eos,
+                logprob: 0.0,
+                top_logprobs,
+            };
+            events.push(self.accept(seq, token));
+        }
+    }
+
+    /// Records a sampled token on `seq` and decides whether the sequence is done.
+    fn accept(&self, seq: &mut Sequence, token: SampledToken) -> TokenEvent {
+        let params = seq.sampler.params();
+        let id = token.id;
+        seq.generated.push(token.clone());
+        seq.next_input = id;
+        // A constraint decides where the completion ends, so `ignore_eos` does not apply to it.
+        let eos_stops = !params.ignore_eos || seq.guide.is_some();
+        let is_stop_id = (eos_stops && self.eos_token_ids().contains(&id))
+            || params.stop_token_ids.contains(&id);
+        let ids: Vec<u32> = seq.generated.iter().map(|t| t.id).collect();
+        let text_ids = if is_stop_id {
+            &ids[..ids.len() - 1]
+        } else {
+            &ids[..]
+        };
+        let mut finish = None;
+        if is_stop_id {
+            finish = Some(FinishReason::Stop);
+        }
+        let mut text = None;
+        if !params.stop.is_empty() || finish.is_some() {
+            let decoded = self.decode(text_ids, true).unwrap_or_default();
+            if let Some(cut) = params
+                .stop
+                .iter()
+                .filter(|s| !s.is_empty())
+                .filter_map(|s| decoded.find(s.as_str()))
+                .min()
+            {
+                finish = Some(FinishReason::Stop);
+                text = Some(decoded[..cut].to_string());
+            } else {
+                text = Some(decoded);
+            }
+        }
+        let context_full = seq.cache.len() + 1 >= self.config().max_position_embeddings;
+        if finish.is_none() && (seq.generated.len() >= params.max_tokens || context_full) {
+            // A grammar completed on the last allowed token is a stop, not a cut.
+            let complete = seq.guide.as_ref().is_some_and(Guide::is_complete);
+            finish = Some(if complete {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            });
+        }
+        if let Some(reason) = finish {
+            let text = match text {
+                Some(t) => t,
+                None => self.decode(text_ids, true).unwrap_or_default(),
+            };
+            seq.finish = Some((reason, text));
+        }
+        TokenEvent {
+            request: seq.request,
+            index: seq.index,
+            token,
+            finished: finish,
+        }
+    }
+}

@@ -1,0 +1,534 @@
+//! `POST /v1/chat/completions`: OpenAI's request in, the engine's tokens out, as one JSON answer or
+//! as server-sent events. Every choice carries its sampled `token_ids` (and logprobs on request),
+//! which is what training needs.
+
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::engine::chat_template::RenderOptions;
+use crate::engine::tool_calls::{json_object_instructions, ParsedCompletion, ToolCallFormat};
+use crate::engine::{
+    Completion, Constraint, GenerationOutput, GenerationRequest, SampledToken, SamplingParams,
+};
+use crate::types::{
+    ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs, Content, Message,
+    ResponseFormat, SystemMessage, TokenLogprob, TopLogprob, Usage,
+};
+
+use super::batcher::BatchEvent;
+use super::error::{ApiError, ApiJson};
+use super::state::AppState;
+
+/// What a request turned into, kept to shape the answer.
+struct Prepared {
+    id: String,
+    created: u64,
+    model: String,
+    /// Set when the request offered tools: how to read tool calls out of the model's text.
+    tool_format: Option<ToolCallFormat>,
+    logprobs: bool,
+    include_usage: bool,
+    n: usize,
+    stop: Vec<String>,
+}
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    ApiJson(request): ApiJson<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    let (prepared, generation) = prepare(&state, &request)?;
+    let events = state.batcher.submit(generation)?;
+    if request.stream == Some(true) {
+        return Ok(stream(state, prepared, events).into_response());
+    }
+    let output = wait_for_output(events).await?;
+    Ok(ApiJson(completion(&state, &prepared, output)).into_response())
+}
+
+fn prepare(
+    state: &AppState,
+    request: &ChatCompletionRequest,
+) -> Result<(Prepared, GenerationRequest), ApiError> {
+    let adapter = state.resolve_model(&request.model)?;
+    if request.messages.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "`messages` is empty; send at least one message.",
+        ));
+    }
+    let tools = request.tools.as_deref().filter(|tools| !tools.is_empty());
+    let tool_choice_none = request.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+    let tools = tools.filter(|_| !tool_choice_none);
+    let template = state.template.as_ref().ok_or_else(|| {
+        ApiError::bad_request(
+            "This model ships no chat template, so it cannot serve chat completions.",
+        )
+    })?;
+    let tool_format = tools.map(|_| template.tool_call_format());
+    let mut messages = request.messages.clone();
+    if let (Some(tools), Some(ToolCallFormat::JsonObject)) = (tools, tool_format) {
+        // The template has no tool syntax: teach the model ours in the system prompt.
+        add_system_text(&mut messages, &json_object_instructions(tools));
+    }
+    let template_tools = tools.filter(|_| tool_format == Some(ToolCallFormat::Hermes));
+    let prompt_text = template
+        .render_with_options(&messages, template_tools, &RenderOptions::generation())
+        .map_err(|e| {
+            ApiError::invalid_param(
+                "messages",
+                format!("The chat template could not render these messages: {e}"),
+            )
+        })?;
+    let prompt = state
+        .engine
+        .encode(&prompt_text, false)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let mut params = sampling_params(
+        request,
+        prompt.len(),
+        state.context_length(),
+        state.default_max_tokens,
+    )?;
+    params.constraint = response_constraint(request.response_format.as_ref())?;
+    let prepared = Prepared {
+        id: format!(
+            "chatcmpl-{}",
+            crate::engine::tool_calls::new_tool_call_id().trim_start_matches("call_")
+        ),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        model: request.model.clone(),
+        tool_format,
+        logprobs: params.logprobs,
+        include_usage: request
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        n: params.n,
+        stop: params.stop.clone(),
+    };
+    Ok((
+        prepared,
+        GenerationRequest {
+            prompt,
+            params,
+            adapter,
+        },
+    ))
+}
+
+/// `response_format` as a decoding constraint: the reply is then valid JSON (for the schema) by
+/// construction.
+fn response_constraint(format: Option<&ResponseFormat>) -> Result<Option<Constraint>, ApiError> {
+    match format {
+        None | Some(ResponseFormat::Text) => Ok(None),
+        Some(ResponseFormat::JsonObject) => Ok(Some(Constraint::JsonObject)),
+        Some(ResponseFormat::JsonSchema { json_schema }) => match &json_schema.schema {
+            Some(schema) => Ok(Some(Constraint::JsonSchema(schema.clone()))),
+            None => Err(ApiError::invalid_param(
+                "response_format",
+                "response_format json_schema needs a `schema`.",
+            )),
+        },
+    }
+}
+
+/// Appends to the first system message, or adds one.
+fn add_system_text(messages: &mut Vec<Message>, text: &str) {
+    match messages.first_mut() {
+        Some(Message::System(system)) => {
+            system.content = Content::Text(format!("{}\n\n{text}", system.content.text()));
+        }
+        _ => messages.insert(
+            0,
+            Message::System(SystemMessage {
+                content: Content::Text(text.to_string()),
+                name: None,
+            }),
+        ),
+    }
+}
+
+/// OpenAI's sampling parameters, checked, as the engine takes them.
+fn sampling_params(
+    request: &ChatCompletionRequest,
+    prompt_tokens: usize,
+    context: usize,
+    default_max_tokens: usize,
+) -> Result<SamplingParams, ApiError> {
+    let temperature = request.temperature.unwrap_or(1.0);
+    if !(temperature.is_finite() && (0.0..=2.0).contains(&temperature)) {
+        return Err(ApiError::invalid_param(
+            "temperature",
+            format!("temperature must be between 0 and 2, got {temperature}."),
+        ));
+    }
+    let top_p = request.top_p.unwrap_or(1.0);
+    if !(top_p.is_finite() && top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid_param(
+            "top_p",
+            format!("top_p must be in (0, 1], got {top_p}."),
+        ));
+    }
+    let top_k = match request.top_k {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::invalid_param(
+                "top_k",
+                format!("top_k must be -1, 0 or positive, got {k}."),
+            ))
+        }
+    };
+    let n = request.n.unwrap_or(1) as usize;
+    if !(1..=128).contains(&n) {
+        return Err(ApiError::invalid_param(
+            "n",
+            format!("n must be between 1 and 128, got {n}."),
+        ));
+    }
+    let logprobs = request.logprobs.unwrap_or(false);
+    let top_logprobs = request.top_logprobs.unwrap_or(0) as usize;
+    if top_logprobs > 20 {
+        return Err(ApiError::invalid_param(
+            "top_logprobs",
+            format!("top_logprobs must be at most 20, got {top_logprobs}."),
+        ));
+    }
+    if top_logprobs > 0 && !logprobs {
+        return Err(ApiError::invalid_param(
+            "top_logprobs",
+            "top_logprobs needs `logprobs: true`.",
+        ));
+    }
+    let stop = request
+        .stop
+        .as_ref()
+        .map(|s| s.to_vec())
+        .unwrap_or_default();
+    if stop.len() > 16 || stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid_param(
+            "stop",
+            "stop takes up to 16 non-empty strings.",
+        ));
+    }
+    let room = context.saturating_sub(prompt_tokens);
+    let max_tokens = match request.max_new_tokens() {
+        Some(0) => {
+            return Err(ApiError::invalid_param(
+                "max_tokens",
+                "max_tokens must be at least 1.",
+            ))
+        }
+        Some(asked) => asked as usize,
+        None => default_max_tokens.min(room),
+    };
+    if room == 0 || prompt_tokens + max_tokens > context {
+        return Err(ApiError::context_length(format!(
+            "This model's context is {context} tokens; the messages take {prompt_tokens} and {max_tokens} more \
+             were asked for. Shorten the messages or lower max_tokens."
+        )));
+    }
+    Ok(SamplingParams {
+        temperature,
+        top_p,
+        top_k,
+        seed: request.seed,
+        max_tokens,
+        stop,
+        n,
+        logprobs,
+        top_logprobs,
+        ..SamplingParams::default()
+    })
+}
+
+async fn wait_for_output(
+    mut events: mpsc::UnboundedReceiver<BatchEvent>,
+) -> Result<GenerationOutput, ApiError> {
+    while let Some(event) = events.recv().await {
+        match event {
+            BatchEvent::Token(_) => {}
+            BatchEvent::Done(output) => return Ok(output),
+            BatchEvent::Failed {
+                message,
+                invalid_request,
+            } => return Err(failure(message, invalid_request)),
+        }
+    }
+    Err(ApiError::internal(
+        "the batching thread stopped before answering",
+    ))
+}
+
+fn failure(message: String, invalid_request: bool) -> ApiError {
+    if invalid_request {
+        ApiError::bad_request(message)
+    } else {
+        ApiError::internal(message)
+    }
+}
+
+fn completion(state: &AppState, prepared: &Prepared, output: GenerationOutput) -> ChatCompletion {
+    let completion_tokens = output
+        .completions
+        .iter()
+        .map(|c| c.tokens.len() as u64)
+        .sum();
+    let choices = output
+        .completions
+        .iter()
+        .map(|c| choice(state, prepared, c))
+        .collect();
+    ChatCompletion {
+        id: prepared.id.clone(),
+        object: "chat.completion".into(),
+        created: prepared.created,
+        model: prepared.model.clone(),
+        choices,
+        usage: Some(Usage {
+            prompt_tokens: output.prompt_tokens as u64,
+            completion_tokens,
+            total_tokens: output.prompt_tokens as u64 + completion_tokens,
+        }),
+        system_fingerprint: None,
+        extra: Default::default(),
+    }
+}
+
+fn choice(state: &AppState, prepared: &Prepared, completion: &Completion) -> Choice {
+    let parsed = parse_message(prepared.tool_format, &completion.text);
+    let finish_reason = if parsed.tool_calls.is_empty() {
+        completion.finish_reason.as_str()
+    } else {
+        "tool_calls"
+    };
+    Choice {
+        index: completion.index as u32,
+        message: parsed.into_assistant_message(),
+        finish_reason: Some(finish_reason.to_string()),
+        logprobs: prepared.logprobs.then(|| ChoiceLogprobs {
+            content: Some(
+                completion
+                    .tokens
+                    .iter()
+                    .map(|t| token_logprob(state, t))
+                    .collect(),
+            ),
+            refusal: None,
+        }),
+        token_ids: Some(completion.token_ids()),
+        extra: Default::default(),
+    }
+}
+
+fn parse_message(tool_format: Option<ToolCallFormat>, text: &str) -> ParsedCompletion {
+    match tool_format {
+        Some(format) => format.parse(text),
+        None => ParsedCompletion {
+            content: Some(text.to_string()),
+            tool_calls: Vec::new(),
+        },
+    }
+}
+
+fn token_logprob(state: &AppState, token: &SampledToken) -> TokenLogprob {
+    let text = state.token_text(token.id);
+    TokenLogprob {
+        bytes: Some(text.as_bytes().to_vec()),
+        token: text,
+        logprob: f64::from(token.logprob),
+        top_logprobs: token
+            .top_logprobs
+            .iter()
+            .map(|&(id, logprob)| {
+                let text = state.token_text(id);
+                TopLogprob {
+                    bytes: Some(text.as_bytes().to_vec()),
+                    token: text,
+                    logprob: f64::from(logprob),
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+fn stream(
+    state: AppState,
+    prepared: Prepared,
+    mut events: mpsc::UnboundedReceiver<BatchEvent>,
+) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
+    let (sender, mut receiver) = mpsc::channel::<Event>(64);
+    tokio::spawn(async move {
+        let mut texts: Vec<StreamedText> = (0..prepared.n)
+            .map(|_| StreamedText::new(&prepared.stop))
+            .collect();
+        let chunk = |choices: Value| {
+            json!({"id": prepared.id, "object": "chat.completion.chunk", "created": prepared.created,
+                   "model": prepared.model, "choices": choices})
+        };
+        for index in 0..prepared.n {
+            let first = chunk(
+                json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]),
+            );
+            if sender.send(data(&first)).await.is_err() {
+                return;
+            }
+        }
+        while let Some(event) = events.recv().await {
+            match event {
+                BatchEvent::Token(token) => {
+                    // With tools on, the reply may turn out to be a tool call: it is sent whole at the end.
+                    let delta = if prepared.tool_format.is_some() {
+                        String::new()
+                    } else {
+                        texts[token.index].push(&state, token.token.id)
+                    };
+                    let logprobs = if prepared.logprobs {
+                        json!({"content": [token_logprob(&state, &token.token)]})
+                    } else {
+                        Value::Null
+                    };
+                    if delta.is_empty() && logprobs.is_null() {
+                        continue;
+                    }
+                    let body = chunk(
+                        json!([{"index": token.index, "delta": {"content": delta}, "logprobs": logprobs, "finish_reason": null}]),
+                    );
+                    if sender.send(data(&body)).await.is_err() {
+                        return;
+                    }
+                }
+                BatchEvent::Done(output) => {
+                    for completion in &output.completions {
+                        let parsed = parse_message(prepared.tool_format, &completion.text);
+                        let mut delta = serde_json::Map::new();
+                        let sent = &texts[completion.index].sent;
+                        let rest = parsed
+                            .content
+                            .as_deref()
+                            .unwrap_or("")
+                            .strip_prefix(sent.as_str())
+                            .unwrap_or("");
+                        if !rest.is_empty() {
+                            delta.insert("content".into(), json!(rest));
+                        }
+                        if !parsed.tool_calls.is_empty() {
+                            let calls: Vec<Value> = parsed
+                                .tool_calls
+                                .iter()
+                                .enumerate()
+                                .map(|(i, call)| json!({"index": i, "id": call.id, "type": "function", "function": call.function}))
+                                .collect();
+                            delta.insert("tool_calls".into(), json!(calls));
+                        }
+                        let finish = if parsed.tool_calls.is_empty() {
+                            completion.finish_reason.as_str()
+                        } else {
+                            "tool_calls"
+                        };
+                        let body = chunk(
+                            json!([{"index": completion.index, "delta": delta, "finish_reason": finish,
+                                                  "token_ids": completion.token_ids()}]),
+                        );
+                        if sender.send(data(&body)).await.is_err() {
+                            return;
+                        }
+                    }
+                    if prepared.include_usage {
+                        let completion_tokens: usize =
+                            output.completions.iter().map(|c| c.tokens.len()).sum();
+                        let mut body = chunk(json!([]));
+                        body["usage"] = json!({"prompt_tokens": output.prompt_tokens, "completion_tokens": completion_tokens,
+                                               "total_tokens": output.prompt_tokens + completion_tokens});
+                        let _ = sender.send(data(&body)).await;
+                    }
+                    let _ = sender.send(Event::default().data("[DONE]")).await;
+                    return;
+                }
+                BatchEvent::Failed {
+                    message,
+                    invalid_request,
+                } => {
+                    let _ = sender
+                        .send(data(&failure(message, invalid_request).body()))
+                        .await;
+                    return;
+                }
+            }
+        }
+    });
+    let stream =
+        futures::stream::poll_fn(move |cx| receiver.poll_recv(cx).map(|event| event.map(Ok)));
+    Sse::new(stream)
+}
+
+fn data(body: &Value) -> Event {
+    Event::default().data(body.to_string())
+}
+
+/// The text of one streamed completion, released only when it can no longer change: an incomplete
+/// UTF-8 character (decoded as U+FFFD) waits for its next byte, and text that may be the start of a
+/// stop string waits until it is known not to be one (a matched stop string is never sent).
+struct StreamedText {
+    ids: Vec<u32>,
+    sent: String,
+    stop: Vec<String>,
+}
+
+impl StreamedText {
+    fn new(stop: &[String]) -> Self {
+        StreamedText {
+            ids: Vec::new(),
+            sent: String::new(),
+            stop: stop.to_vec(),
+        }
+    }
+
+    fn push(&mut self, state: &AppState, id: u32) -> String {
+        self.ids.push(id);
+        let text = state.engine.decode(&self.ids, true).unwrap_or_default();
+        let mut stable = text.trim_end_matches('\u{FFFD}');
+        if let Some(cut) = self
+            .stop
+            .iter()
+            .filter_map(|s| stable.find(s.as_str()))
+            .min()
+        {
+            stable = &stable[..cut];
+        } else {
+            let held = self
+                .stop
+                .iter()
+                .flat_map(|s| {
+                    (1..s.len())
+                        .filter(|&k| s.is_char_boundary(k))
+                        .map(move |k| &s[..k])
+                })
+                .filter(|prefix| stable.ends_with(prefix))
+                .map(str::len)
+                .max()
+                .unwrap_or(0);
+            stable = &stable[..stable.len() - held];
+        }
+        match stable.strip_prefix(self.sent.as_str()) {
+            Some(new) if !new.is_empty() => {
+                let new = new.to_string();
+                self.sent.push_str(&new);
+                new
+            }
+            _ => String::new(),
+        }
+    }
+}

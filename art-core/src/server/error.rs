@@ -1,0 +1,147 @@
+//! The server's one error type, answered as OpenAI's error JSON with a 4xx (or 5xx for our own
+//! faults): `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::FromRequest;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    /// A request value outside what is allowed, naming the parameter.
+    pub fn invalid_param(param: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            param: Some(param.to_string()),
+            ..Self::bad_request(message)
+        }
+    }
+
+    pub fn model_not_found(model: &str, available: &[String]) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!(
+                "The model `{model}` does not exist on this server. Available: {}. GET /v1/models lists them.",
+                available.join(", ")
+            ),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+        }
+    }
+
+    pub fn context_length(message: impl Into<String>) -> Self {
+        ApiError {
+            code: Some("context_length_exceeded"),
+            param: Some("messages".into()),
+            ..Self::bad_request(message)
+        }
+    }
+
+    pub fn unauthorized() -> Self {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "Missing or wrong API key: send `Authorization: Bearer <key>` with the key `art serve` was \
+                      started with (--api-key)."
+                .into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
+    pub fn overloaded(queued: usize) -> Self {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: format!(
+                "The server is overloaded ({queued} requests queued). Retry after a short wait."
+            ),
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("overloaded"),
+        }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            code: Some("not_found"),
+            ..Self::bad_request(message)
+        }
+    }
+
+    pub fn conflict(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::CONFLICT,
+            code: Some("conflict"),
+            ..Self::bad_request(message)
+        }
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.status, self.message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    /// Malformed JSON, a missing field or a wrong type: serde's message says which and where.
+    fn from(rejection: JsonRejection) -> Self {
+        let status = rejection.status();
+        ApiError {
+            status,
+            ..ApiError::bad_request(format!("Invalid request body: {}", rejection.body_text()))
+        }
+    }
+}
+
+/// `axum::Json`, with rejections answered as OpenAI-style errors.
+#[derive(FromRequest)]
+#[from_request(via(axum::Json), rejection(ApiError))]
+pub struct ApiJson<T>(pub T);
+
+impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
+    fn into_response(self) -> Response {
+        Json(self.0).into_response()
+    }
+}

@@ -1,0 +1,178 @@
+//! `art serve`: the backend as an HTTP server (feature `server`). OpenAI-compatible chat
+//! completions for rollouts, with continuous batching across requests.
+
+mod art;
+mod batcher;
+mod chat;
+mod error;
+mod state;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Request, State};
+use axum::http::header::AUTHORIZATION;
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::engine::{Engine, LoadOptions, ModelSource};
+
+pub use art::{ModelInfo, RegisterRequest};
+pub use batcher::{BatchEvent, Batcher};
+pub use error::ApiError;
+pub use state::{AppState, Shared};
+
+/// How to run the server.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// A GGUF file, a Hugging Face model directory, or a repository id in the local hub cache.
+    pub model: String,
+    /// The name clients use for the base model (default: the model file or directory name).
+    pub served_model_name: Option<String>,
+    pub host: String,
+    pub port: u16,
+    /// Required from clients as `Authorization: Bearer <key>` when set.
+    pub api_key: Option<String>,
+    /// Sequences decoded together at most.
+    pub max_batch: usize,
+    /// Requests waiting for a place in the batch before new ones get 429.
+    pub max_queue: usize,
+    /// Tokens generated when a request sets no max_tokens.
+    pub default_max_tokens: usize,
+    /// Where trained models and their checkpoints live.
+    pub art_dir: PathBuf,
+    pub load: LoadOptions,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        ServeOptions {
+            model: String::new(),
+            served_model_name: None,
+            host: "127.0.0.1".into(),
+            port: 8000,
+            api_key: None,
+            max_batch: 64,
+            max_queue: 1024,
+            default_max_tokens: 1024,
+            art_dir: PathBuf::from(".art"),
+            load: LoadOptions::default(),
+        }
+    }
+}
+
+/// Loads the model and builds the application state (no socket yet).
+pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
+    let on_loopback =
+        options.host == "127.0.0.1" || options.host == "localhost" || options.host == "::1";
+    if !on_loopback && options.api_key.is_none() {
+        anyhow::bail!(
+            "refusing to listen on {} without an API key: pass --api-key (clients send it as a bearer token)",
+            options.host
+        );
+    }
+    let engine = Arc::new(Engine::load(
+        &ModelSource::parse(&options.model),
+        &options.load,
+    )?);
+    let template = state::chat_template(&engine)
+        .map_err(|e| anyhow::anyhow!("the model's chat template: {e}"))?;
+    let base_model = options
+        .served_model_name
+        .clone()
+        .unwrap_or_else(|| engine.name().to_string());
+    Ok(AppState::new(Shared {
+        batcher: Batcher::start(engine.clone(), options.max_batch, options.max_queue),
+        engine,
+        template,
+        aliases: vec![options.model.clone()],
+        base_model,
+        api_key: options.api_key.clone(),
+        default_max_tokens: options.default_max_tokens,
+        art_dir: options.art_dir.clone(),
+        registry: Default::default(),
+    }))
+}
+
+/// The HTTP routes. `/health` is open; everything under `/v1` needs the API key when one is set.
+pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/chat/completions", post(chat::chat_completions))
+        .route("/models", get(list_models))
+        .route("/art/models", post(art::register))
+        .route("/art/models/{name}", get(art::get_model))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    Router::new()
+        .route("/health", get(health))
+        .nest("/v1", v1)
+        .fallback(|| async {
+            ApiError::not_found("No such route. The API lives under /v1 (see the README).")
+        })
+        .with_state(state)
+}
+
+/// Serves until the process is stopped. Prints one line with the address once it is listening.
+pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
+    let state = tokio::task::block_in_place(|| build_state(&options))?;
+    let listener = tokio::net::TcpListener::bind((options.host.as_str(), options.port)).await?;
+    let address: SocketAddr = listener.local_addr()?;
+    println!(
+        "art serve: {} listening on http://{address}/v1",
+        state.base_model
+    );
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    Ok(())
+}
+
+/// Serves `app` on an already bound listener (tests bind port 0 themselves).
+pub async fn serve_on(listener: tokio::net::TcpListener, app: Router) -> std::io::Result<()> {
+    axum::serve(listener, app).await
+}
+
+async fn shutdown_signal() {
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+async fn require_api_key(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    if let Some(key) = &state.api_key {
+        let sent = request
+            .headers()
+            .get(AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        if sent.and_then(|v| v.strip_prefix("Bearer ")) != Some(key.as_str()) {
+            return Err(ApiError::unauthorized());
+        }
+    }
+    Ok(next.run(request).await)
+}
+
+async fn health(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({"status": "ok", "model": state.base_model}))
+}
+
+async fn list_models(State(state): State<AppState>) -> Json<Value> {
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let data: Vec<Value> = state
+        .model_ids()
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": created, "owned_by": "art"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}

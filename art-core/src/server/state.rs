@@ -1,0 +1,114 @@
+//! What every handler shares: the engine, its chat template, the batcher, and the served names.
+
+use std::ops::Deref;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use crate::engine::chat_template::ChatTemplate;
+use crate::engine::Engine;
+
+use super::art::Registry;
+use super::batcher::Batcher;
+use super::error::ApiError;
+
+#[derive(Clone)]
+pub struct AppState(Arc<Shared>);
+
+pub struct Shared {
+    pub engine: Arc<Engine>,
+    pub template: Option<ChatTemplate>,
+    pub batcher: Batcher,
+    /// The name the base model is served under.
+    pub base_model: String,
+    /// Other names that mean the base model (e.g. the path it was loaded from).
+    pub aliases: Vec<String>,
+    pub api_key: Option<String>,
+    pub default_max_tokens: usize,
+    pub art_dir: PathBuf,
+    pub registry: Mutex<Registry>,
+}
+
+impl Deref for AppState {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+impl AppState {
+    pub fn new(shared: Shared) -> Self {
+        AppState(Arc::new(shared))
+    }
+
+    /// The LoRA adapter a request's `model` names: `None` for the base model, `Some(name)` for
+    /// `name@step` or `name` (a trained model's latest step). Unknown names are a 404.
+    pub fn resolve_model(&self, requested: &str) -> Result<Option<String>, ApiError> {
+        if requested.is_empty()
+            || requested == self.base_model
+            || self.aliases.iter().any(|a| a == requested)
+        {
+            return Ok(None);
+        }
+        if self.engine.adapter(requested).is_some() {
+            return Ok(Some(requested.to_string()));
+        }
+        if self.is_trainable(requested) {
+            // Registered but not trained yet: its policy is the base model.
+            return Ok(None);
+        }
+        Err(ApiError::model_not_found(requested, &self.model_ids()))
+    }
+
+    pub fn is_trainable(&self, name: &str) -> bool {
+        self.registry
+            .lock()
+            .expect("registry lock")
+            .models
+            .contains_key(name)
+    }
+
+    /// Every name a request may use: the base model, trainable models, and their checkpoints.
+    pub fn model_ids(&self) -> Vec<String> {
+        let mut ids = vec![self.base_model.clone()];
+        ids.extend(
+            self.registry
+                .lock()
+                .expect("registry lock")
+                .models
+                .keys()
+                .cloned(),
+        );
+        for adapter in self.engine.adapter_names() {
+            if !ids.contains(&adapter) {
+                ids.push(adapter);
+            }
+        }
+        ids
+    }
+
+    pub fn context_length(&self) -> usize {
+        self.engine.config().max_position_embeddings
+    }
+
+    /// One token's text as OpenAI's logprobs show it (special tokens included).
+    pub fn token_text(&self, id: u32) -> String {
+        self.engine.decode(&[id], false).unwrap_or_default()
+    }
+}
+
+/// The chat template the model ships, with its special tokens, if it has one.
+pub fn chat_template(engine: &Engine) -> Result<Option<ChatTemplate>, String> {
+    let Some(source) = engine.chat_template() else {
+        return Ok(None);
+    };
+    let info = engine.tokenizer_info();
+    let mut template = ChatTemplate::new(source).map_err(|e| e.to_string())?;
+    if let Some(bos) = &info.bos_token {
+        template = template.with_bos_token(bos.clone());
+    }
+    if let Some(eos) = &info.eos_token {
+        template = template.with_eos_token(eos.clone());
+    }
+    Ok(Some(template))
+}

@@ -1,0 +1,339 @@
+//! From trajectory groups to token sequences: render each conversation with the model's chat
+//! template, splice in the sampled tokens of every choice, mark those (and only those) as
+//! trainable, attach the sampler's logprobs and the group-relative advantage, and pack the
+//! sequences into micro-batches.
+
+use crate::engine::chat_template::{ChatTemplate, RenderOptions};
+use crate::engine::Engine;
+use crate::types::{Message, MessageOrChoice, Tool, TrajectoryGroup};
+
+use super::error::{Result, SequenceSource, TrainError};
+
+/// One conversation as the trainer sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainSequence {
+    /// The conversation: rendered prompt tokens with each choice's sampled tokens spliced in,
+    /// up to the last sampled token (template text after it would train nothing).
+    pub tokens: Vec<u32>,
+    /// `trainable[i]`: `tokens[i]` was sampled by the model (part of a choice). Never true at 0.
+    pub trainable: Vec<bool>,
+    /// `sampler_logprobs[i]`: the sampler's logprob of `tokens[i]`, NaN where not trainable or
+    /// where the choice came without logprobs.
+    pub sampler_logprobs: Vec<f32>,
+    /// The group-relative advantage of the trajectory this conversation belongs to.
+    pub advantage: f64,
+    pub source: SequenceSource,
+}
+
+impl TrainSequence {
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub fn num_trainable(&self) -> usize {
+        self.trainable.iter().filter(|&&t| t).count()
+    }
+}
+
+/// The chat template a model's conversations are rendered with: its own template, with the
+/// special tokens it expects. The end-of-turn marker (`<|im_end|>` for ChatML) is used as
+/// `eos_token`, so that an assistant turn ends where the model stops generating.
+pub fn chat_template_for(engine: &Engine) -> Result<ChatTemplate> {
+    let source = engine.chat_template().ok_or(TrainError::NoChatTemplate)?;
+    let info = engine.tokenizer_info();
+    let mut template = ChatTemplate::new(source).map_err(TrainError::BadChatTemplate)?;
+    if let Some(bos) = &info.bos_token {
+        template = template.with_bos_token(bos.clone());
+    }
+    let end_of_turn = ["<|im_end|>", "<|eot_id|>", "<|end|>"]
+        .into_iter()
+        .find(|marker| source.contains(marker))
+        .map(String::from)
+        .or_else(|| info.eos_token.clone());
+    if let Some(eos) = end_of_turn {
+        template = template.with_eos_token(eos);
+    }
+    Ok(template)
+}
+
+/// Renders conversations and tokenizes them for training.
+pub struct Tokenization<'e> {
+    engine: &'e Engine,
+    template: ChatTemplate,
+    pub allow_missing_logprobs: bool,
+}
+
+impl<'e> Tokenization<'e> {
+    pub fn new(engine: &'e Engine, template: ChatTemplate) -> Self {
+        Tokenization {
+            engine,
+            template,
+            allow_missing_logprobs: false,
+        }
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.engine
+            .encode(text, false)
+            .map_err(|e| TrainError::Tokenizer(e.to_string()))
+    }
+
+    /// One conversation (a trajectory's `messages_and_choices`, or one of its additional
+    /// histories) as tokens. `advantage` is attached as is.
+    pub fn sequence(
+        &self,
+        items: &[MessageOrChoice],
+        tools: Option<&[Tool]>,
+        advantage: f64,
+        source: SequenceSource,
+    ) -> Result<TrainSequence> {
+        let messages: Vec<Message> = items
+            .iter()
+            .map(|item| match item {
+                MessageOrChoice::Message(m) => m.clone(),
+                MessageOrChoice::Choice(c) => c.to_message(),
+            })
+            .collect();
+        let rendered = if messages.is_empty() {
+            None
+        } else {
+            Some(
+                self.template
+                    .render_with_turns(&messages, tools, &RenderOptions::default())
+                    .map_err(|error| TrainError::ChatTemplate { at: source, error })?,
+            )
+        };
+        let mut tokens = Vec::new();
+        let mut trainable = Vec::new();
+        let mut logprobs = Vec::new();
+        let vocab = self.engine.config().vocab_size;
+        for segment in rendered.as_ref().map(|r| r.segments()).unwrap_or_default() {
+            let choice = segment.assistant_message.and_then(|i| match &items[i] {
+                MessageOrChoice::Choice(c) => Some((i, c)),
+                MessageOrChoice::Message(_) => None,
+            });
+            let Some((message, choice)) = choice else {
+                // Prompt text, or an assistant message written rather than sampled: context only.
+                let ids = self.encode(segment.text)?;
+                trainable.extend(std::iter::repeat_n(false, ids.len()));
+                logprobs.extend(std::iter::repeat_n(f32::NAN, ids.len()));
+                tokens.extend(ids);
+                continue;
+            };
+            let ids = choice
+                .sampled_token_ids()
+                .ok_or(TrainError::MissingTokenIds {
+                    at: source,
+                    message,
+                })?;
+            if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(TrainError::TokenOutOfVocabulary {
+                    at: source,
+                    token: bad,
+                    vocab,
+                });
+            }
+            let lps = match choice.sampled_logprobs() {
+                Some(lps) if lps.len() == ids.len() => {
+                    lps.into_iter().map(|x| x as f32).collect::<Vec<_>>()
+                }
+                // A server may leave the final end-of-turn token out of `logprobs.content`
+                // (OpenAI does): that token is then trained with a ratio of 1.
+                Some(lps)
+                    if lps.len() + 1 == ids.len()
+                        && self.engine.eos_token_ids().contains(ids.last().unwrap()) =>
+                {
+                    let mut v: Vec<f32> = lps.into_iter().map(|x| x as f32).collect();
+                    v.push(f32::NAN);
+                    v
+                }
+                Some(lps) => {
+                    return Err(TrainError::LogprobCountMismatch {
+                        at: source,
+                        message,
+                        tokens: ids.len(),
+                        logprobs: lps.len(),
+                    })
+                }
+                None if self.allow_missing_logprobs => vec![f32::NAN; ids.len()],
+                None => {
+                    return Err(TrainError::MissingLogprobs {
+                        at: source,
+                        message,
+                    })
+                }
+            };
+            trainable.extend(std::iter::repeat_n(true, ids.len()));
+            logprobs.extend(lps);
+            tokens.extend(ids);
+        }
+        // The first token has no prefix to predict it from.
+        if let Some(first) = trainable.first_mut() {
+            *first = false;
+        }
+        // Template glue after the last sampled token predicts nothing that is trained.
+        let keep = trainable.iter().rposition(|&t| t).map_or(0, |i| i + 1);
+        tokens.truncate(keep);
+        trainable.truncate(keep);
+        logprobs.truncate(keep);
+        let context = self.engine.config().max_position_embeddings;
+        if tokens.len() > context {
+            return Err(TrainError::SequenceTooLong {
+                at: source,
+                tokens: tokens.len(),
+                context,
+            });
+        }
+        Ok(TrainSequence {
+            tokens,
+            trainable,
+            sampler_logprobs: logprobs,
+            advantage,
+            source,
+        })
+    }
+}
+
+/// GRPO advantages of one group: reward minus the group's mean, divided by the group's
+/// (population) standard deviation plus 1e-6 when `scale`. `None` when every reward is the same
+/// (nothing to learn from the group; this includes a group of one).
+pub fn group_advantages(rewards: &[f64], scale: bool) -> Option<Vec<f64>> {
+    let first = *rewards.first()?;
+    if rewards.iter().all(|&r| r == first) {
+        return None;
+    }
+    let n = rewards.len() as f64;
+    let mean = rewards.iter().sum::<f64>() / n;
+    let std = (rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n).sqrt();
+    Some(
+        rewards
+            .iter()
+            .map(|r| {
+                if scale {
+                    (r - mean) / (std + 1e-6)
+                } else {
+                    r - mean
+                }
+            })
+            .collect(),
+    )
+}
+
+/// What a batch of groups turned into.
+#[derive(Debug, Clone, Default)]
+pub struct PreparedBatch {
+    /// Sequences of the groups that have something to teach, in group order.
+    pub sequences: Vec<TrainSequence>,
+    pub groups_used: usize,
+    /// Groups whose rewards were all equal (or that had one trajectory).
+    pub groups_skipped: usize,
+    /// Mean and (population) std of all trajectories' rewards, skipped groups included.
+    pub reward_mean: f64,
+    pub reward_std: f64,
+    pub num_trajectories: usize,
+}
+
+/// Tokenizes every trajectory (and additional history) of `groups`, computes advantages, and
+/// keeps the sequences of groups with an advantage signal. Every conversation is checked, also
+/// those of skipped groups, so that a malformed batch fails the same way whatever its rewards.
+pub fn prepare_batch(
+    tokenization: &Tokenization<'_>,
+    groups: &[TrajectoryGroup],
+    scale_rewards: bool,
+) -> Result<PreparedBatch> {
+    let num_trajectories: usize = groups.iter().map(|g| g.trajectories.len()).sum();
+    if num_trajectories == 0 {
+        return Err(TrainError::EmptyBatch(format!(
+            "{} group(s) with no trajectories",
+            groups.len()
+        )));
+    }
+    let rewards: Vec<f64> = groups.iter().flat_map(|g| g.rewards()).collect();
+    let reward_mean = rewards.iter().sum::<f64>() / rewards.len() as f64;
+    let reward_std = (rewards
+        .iter()
+        .map(|r| (r - reward_mean).powi(2))
+        .sum::<f64>()
+        / rewards.len() as f64)
+        .sqrt();
+    let mut out = PreparedBatch {
+        reward_mean,
+        reward_std,
+        num_trajectories,
+        ..Default::default()
+    };
+    for (g, group) in groups.iter().enumerate() {
+        if group.trajectories.is_empty() {
+            continue;
+        }
+        let advantages = group_advantages(&group.rewards(), scale_rewards);
+        match advantages {
+            Some(_) => out.groups_used += 1,
+            None => out.groups_skipped += 1,
+        }
+        for (t, trajectory) in group.trajectories.iter().enumerate() {
+            let advantage = advantages.as_ref().map_or(0.0, |a| a[t]);
+            let source = SequenceSource {
+                group: g,
+                trajectory: t,
+                history: None,
+            };
+            let main = tokenization.sequence(
+                &trajectory.messages_and_choices,
+                trajectory.tools.as_deref(),
+                advantage,
+                source,
+            )?;
+            let mut sequences = vec![main];
+            for (h, history) in trajectory.additional_histories.iter().enumerate() {
+                let tools = history.tools.as_deref().or(trajectory.tools.as_deref());
+                sequences.push(tokenization.sequence(
+                    &history.messages_and_choices,
+                    tools,
+                    advantage,
+                    SequenceSource {
+                        history: Some(h),
+                        ..source
+                    },
+                )?);
+            }
+            if advantages.is_some() {
+                out.sequences
+                    .extend(sequences.into_iter().filter(|s| s.num_trainable() > 0));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Sequences (by index) that are run together in one forward/backward, right-padded to the
+/// longest.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MicroBatch {
+    pub sequences: Vec<usize>,
+    /// Length of the longest sequence; the batch computes `sequences.len() * max_len` positions.
+    pub max_len: usize,
+}
+
+/// Packs sequences into micro-batches of at most `max_tokens` padded tokens (a sequence longer
+/// than that gets a micro-batch of its own). Longest first, so that lengths within a batch are
+/// close and little is padding.
+pub fn pack_micro_batches(lengths: &[usize], max_tokens: usize) -> Vec<MicroBatch> {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    let mut batches: Vec<MicroBatch> = Vec::new();
+    for i in order {
+        match batches.last_mut() {
+            Some(b) if (b.sequences.len() + 1) * b.max_len <= max_tokens => b.sequences.push(i),
+            _ => batches.push(MicroBatch {
+                sequences: vec![i],
+                max_len: lengths[i],
+            }),
+        }
+    }
+    batches
+}

@@ -1,0 +1,245 @@
+//! The GRPO loss of one micro-batch: PPO-style clipped importance ratios against the sampler's
+//! logprobs (per token, or per sequence as a geometric mean), an optional k3 KL penalty to the
+//! base model, and each token weighted so that summing micro-batches gives the step's loss.
+
+use candle_core::{DType, Tensor, D};
+
+use crate::engine::{Forward, LoraAdapter, Model};
+use crate::types::{ImportanceSamplingLevel, TrainConfig};
+
+use super::batch::TrainSequence;
+use super::error::Result;
+
+/// How token losses are averaged over a step (all its micro-batches together).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Normalization {
+    /// Every trainable token of the step counts the same: weight `1 / total_tokens`.
+    Tokens { total_tokens: usize },
+    /// Each sequence's loss is its token mean, and sequences count the same:
+    /// weight `1 / (sequence_tokens * sequences)`.
+    Sequences { sequences: usize },
+}
+
+impl Normalization {
+    /// The normalization of a step over `sequences`, as `config` asks for.
+    pub fn for_step(sequences: &[TrainSequence], config: &TrainConfig) -> Self {
+        if config.normalize_by_sequence_length {
+            Normalization::Sequences {
+                sequences: sequences.iter().filter(|s| s.num_trainable() > 0).count(),
+            }
+        } else {
+            Normalization::Tokens {
+                total_tokens: sequences.iter().map(TrainSequence::num_trainable).sum(),
+            }
+        }
+    }
+
+    fn weight(&self, sequence_tokens: usize) -> f64 {
+        match *self {
+            Normalization::Tokens { total_tokens } => 1.0 / total_tokens.max(1) as f64,
+            Normalization::Sequences { sequences } => {
+                1.0 / (sequence_tokens.max(1) * sequences.max(1)) as f64
+            }
+        }
+    }
+}
+
+/// The loss of one micro-batch and what was measured on the way.
+pub struct MicroBatchLoss {
+    /// Scalar, differentiable with respect to the adapter's variables (when computed with
+    /// `train`): `policy_loss + beta * kl`, this micro-batch's share of the step's loss.
+    pub loss: Tensor,
+    /// This micro-batch's share of the step's policy loss (weighted sum).
+    pub policy_loss: f64,
+    /// This micro-batch's share of the step's KL to the base model (weighted sum), if `beta > 0`.
+    pub kl: Option<f64>,
+    /// Sum over trainable tokens of the policy's entropy at that position.
+    pub entropy_sum: f64,
+    /// Trainable tokens whose ratio was clipped.
+    pub clipped_tokens: usize,
+    /// Per trainable token, in sequence order: the trainer's logprob and the sampler's (NaN
+    /// where unknown).
+    pub trainer_logprobs: Vec<f32>,
+    pub sampler_logprobs: Vec<f32>,
+}
+
+impl MicroBatchLoss {
+    pub fn num_tokens(&self) -> usize {
+        self.trainer_logprobs.len()
+    }
+}
+
+/// Logprobs of `targets` (`[N]`) under `logits` (`[N, vocab]`), differentiable, plus the
+/// (detached) entropy of each row.
+fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let picked = shifted.gather(&targets.unsqueeze(1)?, 1)?;
+    let logprobs = picked.broadcast_sub(&lse)?.squeeze(1)?;
+    let all = shifted.detach().broadcast_sub(&lse.detach())?;
+    let entropy = (all.exp()? * &all)?.sum(D::Minus1)?.neg()?;
+    Ok((logprobs, entropy))
+}
+
+/// The GRPO loss of `batch` (right-padded into one forward). With `train`, the graph reaches
+/// the adapter's variables; without it, the same numbers are computed without a graph.
+/// `adapter: None` computes the base model's loss (its ratio is still taken against the
+/// sampler's logprobs).
+pub fn micro_batch_loss(
+    model: &Model,
+    adapter: Option<&LoraAdapter>,
+    batch: &[&TrainSequence],
+    normalization: Normalization,
+    config: &TrainConfig,
+    train: bool,
+) -> Result<MicroBatchLoss> {
+    let device = model.device();
+    let rows = batch.len();
+    let width = batch.iter().map(|s| s.len()).max().unwrap_or(0).max(2) - 1;
+    // Inputs are tokens[..len - 1]; position p of row r predicts tokens[p + 1].
+    let mut input = vec![0u32; rows * width];
+    let mut positions = Vec::new();
+    let mut targets = Vec::new();
+    let mut sampler = Vec::new();
+    let mut advantages = Vec::new();
+    let mut weights = Vec::new();
+    let mut seq_of = Vec::new();
+    let mut seq_tokens = Vec::with_capacity(rows);
+    for (r, seq) in batch.iter().enumerate() {
+        let n = seq.len().saturating_sub(1);
+        input[r * width..r * width + n].copy_from_slice(&seq.tokens[..n]);
+        let count = seq.num_trainable();
+        seq_tokens.push(count);
+        let weight = normalization.weight(count);
+        for i in 1..seq.len() {
+            if seq.trainable[i] {
+                positions.push((r * width + i - 1) as u32);
+                targets.push(seq.tokens[i]);
+                sampler.push(seq.sampler_logprobs[i]);
+                advantages.push(seq.advantage);
+                weights.push(weight);
+                seq_of.push(r as u32);
+            }
+        }
+    }
+    let n = positions.len();
+    let fwd = Forward {
+        adapter,
+        train,
+        quantized: false,
+    };
+    let input = Tensor::from_vec(input, (rows, width), device)?;
+    let positions = Tensor::from_vec(positions, n, device)?;
+    let targets = Tensor::from_vec(targets, n, device)?;
+
+    let select = |hidden: Tensor| -> Result<Tensor> {
+        let h = hidden.dim(D::Minus1)?;
+        Ok(hidden
+            .reshape((rows * width, h))?
+            .index_select(&positions, 0)?)
+    };
+    let hidden = select(model.forward_hidden(&input, fwd)?)?;
+    let logits = model.logits(&hidden, fwd)?;
+    let dtype = logits.dtype();
+    let (new_lp, entropy) = target_logprobs(&logits, &targets)?;
+    let vector =
+        |v: Vec<f64>| -> Result<Tensor> { Ok(Tensor::from_vec(v, n, device)?.to_dtype(dtype)?) };
+
+    // The sampler's logprobs; where unknown, the trainer's own (detached): a ratio of 1.
+    let known: Vec<f64> = sampler
+        .iter()
+        .map(|x| f64::from(u8::from(x.is_finite())))
+        .collect();
+    let old_filled: Vec<f64> = sampler
+        .iter()
+        .map(|&x| if x.is_finite() { f64::from(x) } else { 0.0 })
+        .collect();
+    let known = vector(known)?;
+    let old = (vector(old_filled)? + new_lp.detach().mul(&(1.0 - &known)?)?)?;
+    let token_log_ratio = (&new_lp - &old)?;
+    let log_ratio = match config.importance_sampling_level {
+        ImportanceSamplingLevel::Token => token_log_ratio,
+        ImportanceSamplingLevel::Sequence => {
+            // Mean log-ratio of each sequence (the log of the geometric mean of its token ratios),
+            // given back to each of its tokens.
+            let mut membership = vec![0f64; rows * n];
+            for (j, &r) in seq_of.iter().enumerate() {
+                membership[r as usize * n + j] = 1.0 / seq_tokens[r as usize] as f64;
+            }
+            let membership = Tensor::from_vec(membership, (rows, n), device)?.to_dtype(dtype)?;
+            let per_seq = membership
+                .matmul(&token_log_ratio.unsqueeze(1)?)?
+                .squeeze(1)?;
+            let seq_of = Tensor::from_vec(seq_of.clone(), n, device)?;
+            per_seq.index_select(&seq_of, 0)?
+        }
+    };
+    let ratio = log_ratio.exp()?;
+
+    // -min(r A, clip(r) A): where the clipped term is the smaller one it is a constant (no
+    // gradient), elsewhere it is r A. Decided on detached values.
+    let ratio_values: Vec<f64> = ratio.to_dtype(DType::F64)?.to_vec1()?;
+    let (low, high) = (1.0 - config.epsilon, 1.0 + config.epsilon_high());
+    let mut coef = Vec::with_capacity(n);
+    let mut constant = Vec::with_capacity(n);
+    let mut clipped_tokens = 0;
+    for (&r, &a) in ratio_values.iter().zip(&advantages) {
+        let clip = if a > 0.0 && r > high {
+            Some(high)
+        } else if a < 0.0 && r < low {
+            Some(low)
+        } else {
+            None
+        };
+        match clip {
+            Some(c) => {
+                clipped_tokens += 1;
+                coef.push(0.0);
+                constant.push(-a * c);
+            }
+            None => {
+                coef.push(-a);
+                constant.push(0.0);
+            }
+        }
+    }
+    let weights = vector(weights)?;
+    let token_pg = ((&ratio * vector(coef)?)? + vector(constant)?)?;
+    let policy = (token_pg * &weights)?.sum_all()?;
+    let policy_loss = policy.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+
+    let (loss, kl) = if config.beta > 0.0 {
+        let base = Forward {
+            adapter: None,
+            train: false,
+            quantized: false,
+        };
+        let ref_hidden = select(model.forward_hidden(&input, base)?)?;
+        let ref_logits = model.logits(&ref_hidden, base)?;
+        let (ref_lp, _) = target_logprobs(&ref_logits, &targets)?;
+        // k3 estimator of KL(policy || base): exp(ref - new) - (ref - new) - 1.
+        let d = (ref_lp.detach() - &new_lp)?;
+        let kl_tok = ((d.exp()? - &d)? - 1.0)?;
+        let kl = (kl_tok * &weights)?.sum_all()?;
+        let kl_value = kl.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        ((policy + (kl * config.beta)?)?, Some(kl_value))
+    } else {
+        (policy, None)
+    };
+
+    let entropy_sum = entropy
+        .to_dtype(DType::F64)?
+        .sum_all()?
+        .to_scalar::<f64>()?;
+    let trainer_logprobs: Vec<f32> = new_lp.to_dtype(DType::F32)?.to_vec1()?;
+    Ok(MicroBatchLoss {
+        loss,
+        policy_loss,
+        kl,
+        entropy_sum,
+        clipped_tokens,
+        trainer_logprobs,
+        sampler_logprobs: sampler,
+    })
+}

@@ -1,0 +1,151 @@
+//! AdamW (PyTorch's formulation, decoupled weight decay) over named variables, with a state
+//! that can be saved and restored so that resumed training continues exactly.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use super::error::{Result, TrainError};
+
+/// The optimizer's hyperparameters besides the learning rate and weight decay (which come with
+/// each step's config).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdamWParams {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+}
+
+impl Default for AdamWParams {
+    fn default() -> Self {
+        AdamWParams {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        }
+    }
+}
+
+struct Slot {
+    name: String,
+    var: Var,
+    /// First and second moments, f32 like the variables.
+    m: Tensor,
+    v: Tensor,
+}
+
+/// AdamW over a fixed list of named variables.
+pub struct AdamW {
+    slots: Vec<Slot>,
+    /// Steps taken (for bias correction).
+    t: u64,
+    params: AdamWParams,
+}
+
+/// The small JSON part of a saved optimizer state.
+#[derive(Debug, Serialize, Deserialize)]
+struct SavedState {
+    t: u64,
+    params: AdamWParams,
+}
+
+pub const STATE_TENSORS: &str = "optimizer.safetensors";
+pub const STATE_JSON: &str = "optimizer.json";
+
+impl AdamW {
+    pub fn new(vars: Vec<(String, Var)>, params: AdamWParams) -> Result<Self> {
+        let slots = vars
+            .into_iter()
+            .map(|(name, var)| {
+                let m = Tensor::zeros(var.shape(), DType::F32, var.device())?;
+                let v = m.clone();
+                Ok(Slot { name, var, m, v })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(AdamW {
+            slots,
+            t: 0,
+            params,
+        })
+    }
+
+    pub fn steps_taken(&self) -> u64 {
+        self.t
+    }
+
+    /// One update with `grads[i]` the gradient of the i-th variable (in `new`'s order); a `None`
+    /// gradient leaves the variable (and its moments) unchanged.
+    pub fn step(&mut self, grads: &[Option<Tensor>], lr: f64, weight_decay: f64) -> Result<()> {
+        self.t += 1;
+        let AdamWParams { beta1, beta2, eps } = self.params;
+        let t = self.t as i32;
+        let bias1 = 1.0 - beta1.powi(t);
+        let bias2 = 1.0 - beta2.powi(t);
+        for (slot, grad) in self.slots.iter_mut().zip(grads) {
+            let Some(g) = grad else { continue };
+            let g = g.to_dtype(DType::F32)?;
+            slot.m = ((&slot.m * beta1)? + (&g * (1.0 - beta1))?)?;
+            slot.v = ((&slot.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let denom = ((&slot.v / bias2)?.sqrt()? + eps)?;
+            let update = ((&slot.m / bias1)? / denom)?;
+            let theta = slot.var.as_tensor();
+            let decayed = (theta * (1.0 - lr * weight_decay))?;
+            let next = (decayed - (update * lr)?)?.to_dtype(theta.dtype())?;
+            slot.var.set(&next)?;
+        }
+        Ok(())
+    }
+
+    /// Writes `optimizer.safetensors` (moments, named `<variable>.exp_avg` / `.exp_avg_sq`) and
+    /// `optimizer.json` (step count, betas, eps) into `dir`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        let mut tensors = HashMap::new();
+        for slot in &self.slots {
+            tensors.insert(format!("{}.exp_avg", slot.name), slot.m.clone());
+            tensors.insert(format!("{}.exp_avg_sq", slot.name), slot.v.clone());
+        }
+        candle_core::safetensors::save(&tensors, dir.join(STATE_TENSORS))?;
+        let json = serde_json::to_string_pretty(&SavedState {
+            t: self.t,
+            params: self.params,
+        })
+        .expect("optimizer state serializes");
+        let path = dir.join(STATE_JSON);
+        std::fs::write(&path, json).map_err(|e| TrainError::io(&path, e))
+    }
+
+    /// Restores what [`AdamW::save`] wrote. Every variable must have its moments there.
+    pub fn load(&mut self, dir: &Path, device: &Device) -> Result<()> {
+        let json_path = dir.join(STATE_JSON);
+        let bad = |detail: String| TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            detail,
+        };
+        let text =
+            std::fs::read_to_string(&json_path).map_err(|e| TrainError::io(&json_path, e))?;
+        let state: SavedState = serde_json::from_str(&text)
+            .map_err(|e| bad(format!("{STATE_JSON} does not parse: {e}")))?;
+        let mut tensors = candle_core::safetensors::load(dir.join(STATE_TENSORS), device)?;
+        for slot in &mut self.slots {
+            for (suffix, target) in [("exp_avg", &mut slot.m), ("exp_avg_sq", &mut slot.v)] {
+                let name = format!("{}.{suffix}", slot.name);
+                let t = tensors
+                    .remove(&name)
+                    .ok_or_else(|| bad(format!("{STATE_TENSORS} has no tensor `{name}`")))?;
+                if t.dims() != slot.var.dims() {
+                    return Err(bad(format!(
+                        "`{name}` is {:?}, the variable {:?}",
+                        t.dims(),
+                        slot.var.dims()
+                    )));
+                }
+                *target = t.to_dtype(DType::F32)?;
+            }
+        }
+        self.t = state.t;
+        self.params = state.params;
+        Ok(())
+    }
+}
