@@ -2,13 +2,13 @@
 //! verifiable reward — adding two numbers — with the base model's held-out reward before and the
 //! trained model's after.
 //!
-//! cargo run --release -p art-core --features server --example main_job -- [--steps N]
+//! scripts/main-job.sh [--steps N] [--groups N] [--group-size N] [--learning-rate X] [--eval N]
 
 use std::time::Instant;
 
 use art_core::{
     gather_trajectory_groups, ChatCompletionRequest, GatherOptions, LocalBackend,
-    LocalBackendOptions, Message, TrainableModel, Trajectory, TrajectoryGroup,
+    LocalBackendOptions, Message, TrainConfig, TrainableModel, Trajectory, TrajectoryGroup,
 };
 
 /// One scenario: two numbers to add.
@@ -88,31 +88,128 @@ async fn evaluate(model: &TrainableModel, held_out: &[Sum]) -> anyhow::Result<f6
     Ok(rewards.iter().sum::<f64>() / rewards.len() as f64)
 }
 
+/// A group's replies with their rewards, to see what the model does.
+fn print_samples(group: &TrajectoryGroup) {
+    let question = group.trajectories[0]
+        .messages()
+        .iter()
+        .rev()
+        .find(|m| matches!(m, Message::User(_)))
+        .map(Message::text)
+        .unwrap_or_default();
+    println!("  {question}");
+    for trajectory in &group.trajectories {
+        let reply = trajectory.last_assistant_text().unwrap_or_default();
+        println!("    {:.1}  {:?}", trajectory.reward, reply);
+    }
+}
+
+/// The run's knobs, from `--name value` arguments.
+struct Settings {
+    steps: usize,
+    groups: usize,
+    group_size: usize,
+    learning_rate: f64,
+    eval: usize,
+}
+
+impl Settings {
+    fn from_args() -> anyhow::Result<Self> {
+        let mut settings = Settings {
+            steps: 8,
+            groups: 8,
+            group_size: 6,
+            learning_rate: 2e-4,
+            eval: 32,
+        };
+        let args: Vec<String> = std::env::args().skip(1).collect();
+        for pair in args.chunks(2) {
+            let [name, value] = pair else {
+                anyhow::bail!("`{}` needs a value", pair[0]);
+            };
+            match name.as_str() {
+                "--steps" => settings.steps = value.parse()?,
+                "--groups" => settings.groups = value.parse()?,
+                "--group-size" => settings.group_size = value.parse()?,
+                "--learning-rate" => settings.learning_rate = value.parse()?,
+                "--eval" => settings.eval = value.parse()?,
+                other => anyhow::bail!(
+                    "unknown option `{other}` (use --steps, --groups, --group-size, --learning-rate, --eval)"
+                ),
+            }
+        }
+        Ok(settings)
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let settings = Settings::from_args()?;
     let models = std::env::var("ART_MODELS_DIR").unwrap_or_else(|_| "models".into());
     let mut options = LocalBackendOptions::new(format!("{models}/SmolLM2-135M-Instruct.Q4_1.gguf"));
     options.art_dir = ".art".into();
     let started = Instant::now();
     let backend = LocalBackend::start(options).await?;
     println!("backend ready in {:.1?}", started.elapsed());
-    let model = TrainableModel::register(&backend, "adder", "main-job").await?;
-    println!(
-        "model {} (base {}), step {}",
-        model.name,
-        model.base_model,
-        model.get_step().await?
-    );
+    // A fresh run each time: the model's name carries the start time.
+    let run = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let model = TrainableModel::register(&backend, format!("adder-{run}"), "main-job").await?;
+    println!("model {} (base {})", model.name, model.base_model);
 
-    let held_out = scenarios(2, 32);
+    let held_out = scenarios(2, settings.eval);
     let base = evaluate(&model, &held_out).await?;
     println!(
         "held-out reward of the base model: {base:.3} over {} sums",
         held_out.len()
     );
+
+    let config = TrainConfig {
+        learning_rate: settings.learning_rate,
+        ..Default::default()
+    };
     println!(
-        "GRPO training is not wired into the backend yet (see the training issue); \
-         this run measured the base model only."
+        "{:>4}  {:>7}  {:>6}  {:>8}  {:>8}  {:>9}  {:>8}",
+        "step", "reward", "std", "loss", "grad", "train t/s", "seconds"
+    );
+    for step in 0..settings.steps {
+        let step_started = Instant::now();
+        let sums = scenarios(1000 + step as u64, settings.groups);
+        let model = &model;
+        let groups = sums.iter().map(|&sum| {
+            TrajectoryGroup::from_rollouts(
+                (0..settings.group_size).map(move |i| rollout(model, sum, 1.0, i as u64)),
+            )
+        });
+        let groups = gather_trajectory_groups(
+            groups,
+            GatherOptions::new().description(format!("step {} rollouts", step + 1)),
+        )
+        .await?;
+        if step == 0 {
+            print_samples(&groups[0]);
+        }
+        let result = model.train(&groups, &config).await?;
+        let m = &result.metrics;
+        println!(
+            "{:>4}  {:>7.3}  {:>6.3}  {:>8.4}  {:>8.3}  {:>9.1}  {:>8.1}",
+            result.step,
+            m.reward,
+            m.reward_std,
+            m.loss,
+            m.grad_norm,
+            m.tokens_per_second,
+            step_started.elapsed().as_secs_f64()
+        );
+    }
+
+    let trained = evaluate(&model, &held_out).await?;
+    println!(
+        "held-out reward: base {base:.3} -> trained {trained:.3} ({:+.3}) after {} steps, {:.0} s in all",
+        trained - base,
+        settings.steps,
+        started.elapsed().as_secs_f64()
     );
     Ok(())
 }

@@ -13,7 +13,10 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::client::ChatEndpoint;
-use crate::types::LoraConfig;
+use crate::types::{
+    CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse, LoraConfig, StepResult,
+    TrainConfig, TrainEvent, TrainProgress, TrajectoryGroup,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -29,6 +32,8 @@ pub enum BackendError {
     },
     #[error("cannot reach the backend at {url}: {message}")]
     Unreachable { url: String, message: String },
+    #[error("the training step failed on the backend: {0}")]
+    TrainFailed(String),
 }
 
 /// A server that serves and trains models.
@@ -322,6 +327,96 @@ impl TrainableModel {
         let info: ModelInfo = self.http.get(&format!("/art/models/{}", self.name)).await?;
         Ok(info.step)
     }
+
+    /// One GRPO step on `groups` (see [`TrainConfig`]). Returns once the new checkpoint is
+    /// written and served: the next rollout already samples from it. A batch the backend cannot
+    /// train on (no token ids, too long, bad config) is refused before anything changes.
+    pub async fn train(
+        &self,
+        groups: &[TrajectoryGroup],
+        config: &TrainConfig,
+    ) -> Result<StepResult, BackendError> {
+        self.train_with_progress(groups, config, |_| {}).await
+    }
+
+    /// As [`TrainableModel::train`], calling `on_progress` as micro-batches finish (first with
+    /// `micro_batch == 0` once the batch is accepted).
+    pub async fn train_with_progress(
+        &self,
+        groups: &[TrajectoryGroup],
+        config: &TrainConfig,
+        mut on_progress: impl FnMut(&TrainProgress),
+    ) -> Result<StepResult, BackendError> {
+        let request = TrainRequestRef {
+            trajectory_groups: groups,
+            config,
+        };
+        let mut response = self
+            .http
+            .post_streaming(&format!("/art/models/{}/train", self.name), &request)
+            .await?;
+        let unreachable = |message: String| BackendError::Unreachable {
+            url: self.http.base_url.clone(),
+            message,
+        };
+        let mut buffer = Vec::new();
+        loop {
+            while let Some(end) = buffer.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = buffer.drain(..=end).collect();
+                let event: TrainEvent = serde_json::from_slice(&line).map_err(|e| {
+                    unreachable(format!("unexpected line in the training stream ({e})"))
+                })?;
+                match event {
+                    TrainEvent::Progress(progress) => on_progress(&progress),
+                    TrainEvent::Result(result) => return Ok(result),
+                    TrainEvent::Error { message } => {
+                        return Err(BackendError::TrainFailed(message))
+                    }
+                }
+            }
+            match response.chunk().await {
+                Ok(Some(chunk)) => buffer.extend_from_slice(&chunk),
+                Ok(None) => {
+                    return Err(unreachable(
+                        "the training stream ended before the step finished; the step may still \
+                         complete on the backend (check get_step)"
+                            .into(),
+                    ))
+                }
+                Err(e) => return Err(unreachable(e.to_string())),
+            }
+        }
+    }
+
+    /// The checkpoints the backend keeps for this model, oldest first.
+    pub async fn checkpoints(&self) -> Result<CheckpointList, BackendError> {
+        self.http
+            .get(&format!("/art/models/{}/checkpoints", self.name))
+            .await
+    }
+
+    /// Deletes every checkpoint except the steps in `keep` and the latest one.
+    pub async fn delete_checkpoints_except(
+        &self,
+        keep: &[u64],
+    ) -> Result<DeleteCheckpointsResponse, BackendError> {
+        let request = DeleteCheckpointsRequest {
+            keep: keep.to_vec(),
+        };
+        self.http
+            .post(
+                &format!("/art/models/{}/checkpoints/delete", self.name),
+                &request,
+            )
+            .await
+    }
+}
+
+/// The train request as sent: borrowed, so a client's groups are not copied.
+#[derive(Serialize)]
+struct TrainRequestRef<'a> {
+    trajectory_groups: &'a [TrajectoryGroup],
+    config: &'a TrainConfig,
 }
 
 /// JSON over HTTP to the backend, with its error JSON turned into [`BackendError`].
@@ -352,24 +447,36 @@ impl Http {
         self.send(self.client.get(format!("{root}{path}"))).await
     }
 
+    fn json_post(&self, path: &str, body: &impl Serialize) -> reqwest::RequestBuilder {
+        let body = serde_json::to_vec(body).expect("request bodies serialize");
+        self.client
+            .post(format!("{}{path}", self.base_url))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body)
+    }
+
     async fn post<T: DeserializeOwned>(
         &self,
         path: &str,
         body: &impl Serialize,
     ) -> Result<T, BackendError> {
-        let body = serde_json::to_vec(body).expect("request bodies serialize");
-        let request = self
-            .client
-            .post(format!("{}{path}", self.base_url))
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body);
-        self.send(request).await
+        self.send(self.json_post(path, body)).await
     }
 
-    async fn send<T: DeserializeOwned>(
+    /// A POST whose answer is read as it arrives (after its status was checked).
+    async fn post_streaming(
+        &self,
+        path: &str,
+        body: &impl Serialize,
+    ) -> Result<reqwest::Response, BackendError> {
+        self.send_checked(self.json_post(path, body)).await
+    }
+
+    /// Sends a request; a non-2xx answer becomes [`BackendError::Api`] with the server's message.
+    async fn send_checked(
         &self,
         mut request: reqwest::RequestBuilder,
-    ) -> Result<T, BackendError> {
+    ) -> Result<reqwest::Response, BackendError> {
         if let Some(key) = &self.api_key {
             request = request.bearer_auth(key);
         }
@@ -382,6 +489,28 @@ impl Http {
                 message: e.to_string(),
             })?;
         let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let bytes = response.bytes().await.unwrap_or_default();
+        let message = serde_json::from_slice::<serde_json::Value>(&bytes)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+            .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
+        Err(BackendError::Api {
+            url,
+            status: status.as_u16(),
+            message,
+        })
+    }
+
+    async fn send<T: DeserializeOwned>(
+        &self,
+        request: reqwest::RequestBuilder,
+    ) -> Result<T, BackendError> {
+        let url = self.base_url.clone();
+        let response = self.send_checked(request).await?;
+        let status = response.status();
         let bytes = response
             .bytes()
             .await
@@ -389,17 +518,6 @@ impl Http {
                 url: url.clone(),
                 message: e.to_string(),
             })?;
-        if !status.is_success() {
-            let message = serde_json::from_slice::<serde_json::Value>(&bytes)
-                .ok()
-                .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
-                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
-            return Err(BackendError::Api {
-                url,
-                status: status.as_u16(),
-                message,
-            });
-        }
         serde_json::from_slice(&bytes).map_err(|e| BackendError::Api {
             url,
             status: status.as_u16(),

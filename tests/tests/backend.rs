@@ -1,15 +1,56 @@
 //! LocalBackend and RemoteBackend across processes: `art serve` runs as its own process, the test
-//! registers a trainable model, rolls out through the served endpoint, and reads its step back.
+//! registers a trainable model, rolls out through the served endpoint, trains a GRPO step, and sees
+//! the new step served.
 
 use std::process::Stdio;
 
 use art_core::{
     gather_trajectory_groups, Backend, BackendError, ChatCompletionRequest, GatherOptions,
-    LocalBackend, LocalBackendOptions, Message, RemoteBackend, TrainableModel, Trajectory,
-    TrajectoryGroup,
+    LocalBackend, LocalBackendOptions, Message, RemoteBackend, TrainConfig, TrainableModel,
+    Trajectory, TrajectoryGroup,
 };
 use art_e2e::{tiny_model, TempDir};
 use tokio::io::{AsyncBufReadExt, BufReader};
+
+async fn rollout_groups(model: &TrainableModel, groups: u64, size: u64) -> Vec<TrajectoryGroup> {
+    let pending = (0..groups).map(|g| {
+        TrajectoryGroup::from_rollouts((0..size).map(move |i| rollout(model, g * 10 + i)))
+    });
+    gather_trajectory_groups(pending, GatherOptions::new().progress_bar(false))
+        .await
+        .unwrap()
+}
+
+/// Trains one step and checks that it is reported, checkpointed and served.
+async fn train_one_step(model: &TrainableModel, groups: &[TrajectoryGroup]) {
+    let before = model.get_step().await.unwrap();
+    let mut progress = Vec::new();
+    let result = model
+        .train_with_progress(groups, &TrainConfig::default(), |p| {
+            progress.push(p.clone())
+        })
+        .await
+        .unwrap();
+    assert_eq!(result.step, before + 1);
+    assert!(result.trained, "the groups' rewards differ: {result:?}");
+    assert_eq!(progress.first().map(|p| p.micro_batch), Some(0));
+    assert_eq!(
+        progress.last().map(|p| p.micro_batch),
+        Some(result.metrics.num_micro_batches)
+    );
+    assert!(result.metrics.loss.is_finite() && result.metrics.grad_norm > 0.0);
+    assert_eq!(model.get_step().await.unwrap(), before + 1);
+    let served = format!("{}@{}", model.name, before + 1);
+    assert_eq!(result.adapter_name, served);
+    let checkpoints = model.checkpoints().await.unwrap();
+    let last = checkpoints.data.last().expect("a checkpoint");
+    assert_eq!(last.step, before + 1);
+    assert_eq!(last.served_as.as_deref(), Some(served.as_str()));
+    assert!(last.metrics.as_ref().unwrap().num_trainable_tokens > 0);
+    // The next rollout samples from the new step, by its own name and by the model's.
+    let trajectory = rollout(model, 99).await.unwrap();
+    assert_eq!(trajectory.choices().count(), 1);
+}
 
 async fn rollout(model: &TrainableModel, seed: u64) -> anyhow::Result<Trajectory> {
     let mut trajectory = Trajectory::new([Message::user("Count to three.")]);
@@ -19,10 +60,12 @@ async fn rollout(model: &TrainableModel, seed: u64) -> anyhow::Result<Trajectory
     request.logprobs = Some(true);
     let completion = model.endpoint().complete(request).await?;
     let choice = completion.choices.into_iter().next().expect("one choice");
+    // Any reward that differs within a group will do for the plumbing: the first token's parity.
     trajectory.reward = choice
         .token_ids
         .as_ref()
-        .map_or(0.0, |ids| ids.len() as f64 / 8.0);
+        .and_then(|ids| ids.first())
+        .map_or(0.0, |id| f64::from(id % 2));
     trajectory.push_choice(choice);
     Ok(trajectory)
 }
@@ -44,11 +87,7 @@ async fn local_backend_serves_a_registered_model() {
         .join(".art/e2e/models/agent-001/model.json")
         .is_file());
 
-    let groups =
-        (0..3).map(|g| TrajectoryGroup::from_rollouts((0..4).map(|i| rollout(&model, g * 10 + i))));
-    let groups = gather_trajectory_groups(groups, GatherOptions::new().progress_bar(false))
-        .await
-        .unwrap();
+    let groups = rollout_groups(&model, 3, 4).await;
     assert_eq!(groups.len(), 3);
     for group in &groups {
         for trajectory in &group.trajectories {
@@ -57,6 +96,48 @@ async fn local_backend_serves_a_registered_model() {
             assert_eq!(choice.sampled_logprobs().unwrap().len(), ids.len());
         }
     }
+
+    train_one_step(&model, &groups).await;
+    train_one_step(&model, &rollout_groups(&model, 3, 4).await).await;
+    let checkpoint = dir
+        .path()
+        .join(".art/e2e/models/agent-001/checkpoints/0002");
+    assert!(checkpoint.join("adapter_model.safetensors").is_file());
+    assert!(checkpoint.join("adapter_config.json").is_file());
+
+    // A batch the trainer cannot use is refused up front and changes nothing.
+    let written = |text: &str, reward: f64| {
+        let mut trajectory = Trajectory::new([Message::user(text)]);
+        trajectory.reward = reward;
+        trajectory
+    };
+    let no_choices = TrajectoryGroup::new([written("a", 0.0), written("b", 1.0)]);
+    let refused = model
+        .train(&[no_choices], &TrainConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, BackendError::Api { status: 400, message, .. } if message.contains("empty batch")),
+        "{refused}"
+    );
+    let bad_config = TrainConfig {
+        learning_rate: -1.0,
+        ..Default::default()
+    };
+    let refused = model.train(&groups, &bad_config).await.unwrap_err();
+    assert!(
+        matches!(refused, BackendError::Api { status: 400, .. }),
+        "{refused}"
+    );
+    assert_eq!(model.get_step().await.unwrap(), 2);
+
+    // Pruning keeps what is asked for and the latest.
+    let pruned = model.delete_checkpoints_except(&[]).await.unwrap();
+    assert_eq!((pruned.deleted, pruned.kept), (vec![1], vec![2]));
+    assert!(!dir
+        .path()
+        .join(".art/e2e/models/agent-001/checkpoints/0001")
+        .exists());
 
     // Registering again reconnects; another LoRA shape under the same name is refused.
     let again = TrainableModel::register(&backend, "agent-001", "e2e")
@@ -84,7 +165,7 @@ async fn local_backend_serves_a_registered_model() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn remote_backend_needs_its_api_key() {
+async fn remote_backend_trains_and_survives_a_killed_server() {
     let dir = TempDir::new("remote-backend");
     let art = std::env::var_os("ART_BIN")
         .map(std::path::PathBuf::from)
@@ -98,26 +179,8 @@ async fn remote_backend_needs_its_api_key() {
                 .join("art")
         });
     let model_dir = tiny_model(dir.path());
-    let mut child = tokio::process::Command::new(&art)
-        .args(["serve", "--port", "0", "--api-key", "sk-remote", "--model"])
-        .arg(&model_dir)
-        .arg("--art-dir")
-        .arg(dir.path().join(".art"))
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap_or_else(|e| panic!("{}: {e} (cargo test --workspace builds it)", art.display()));
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let url = loop {
-        let line = lines
-            .next_line()
-            .await
-            .unwrap()
-            .expect("the server prints its address");
-        if let Some(url) = line.split("listening on ").nth(1) {
-            break url.to_string();
-        }
-    };
+    let art_dir = dir.path().join(".art");
+    let (mut child, url) = spawn_server(&art, &model_dir, &art_dir).await;
 
     let wrong = RemoteBackend::new(&url, Some("sk-nope".into()));
     wrong.health().await.expect("health needs no key");
@@ -134,8 +197,82 @@ async fn remote_backend_needs_its_api_key() {
     let model = TrainableModel::register(&backend, "agent", "remote")
         .await
         .unwrap();
-    let trajectory = rollout(&model, 1).await.unwrap();
-    assert_eq!(trajectory.choices().count(), 1);
     assert_eq!(model.get_step().await.unwrap(), 0);
+    let groups = rollout_groups(&model, 2, 4).await;
+    train_one_step(&model, &groups).await;
+
+    // Kill the server in the middle of a long step (many one-sequence micro-batches).
+    let many: Vec<TrajectoryGroup> = groups.iter().cycle().take(64).cloned().collect();
+    let config = TrainConfig {
+        micro_batch_tokens: 8,
+        ..Default::default()
+    };
+    let started = std::sync::Arc::new(tokio::sync::Notify::new());
+    let step = {
+        let (model, started) = (model.clone(), started.clone());
+        tokio::spawn(async move {
+            model
+                .train_with_progress(&many, &config, |_| started.notify_one())
+                .await
+        })
+    };
+    started.notified().await;
     child.kill().await.unwrap();
+    child.wait().await.unwrap();
+    let outcome = step.await.unwrap();
+    // Almost always the kill lands mid-step; if the step won the race, it must have been kept.
+    let expected_step = if outcome.is_ok() { 2 } else { 1 };
+
+    // A restarted server resumes the model from its last complete checkpoint.
+    let (mut child, url) = spawn_server(&art, &model_dir, &art_dir).await;
+    let backend = RemoteBackend::new(&url, Some("sk-remote".into()));
+    let model = TrainableModel::register(&backend, "agent", "remote")
+        .await
+        .unwrap();
+    assert_eq!(
+        model.get_step().await.unwrap(),
+        expected_step,
+        "{outcome:?}"
+    );
+    let steps: Vec<u64> = model
+        .checkpoints()
+        .await
+        .unwrap()
+        .data
+        .iter()
+        .map(|c| c.step)
+        .collect();
+    assert_eq!(steps, (1..=expected_step).collect::<Vec<_>>());
+    assert_eq!(rollout(&model, 5).await.unwrap().choices().count(), 1);
+    child.kill().await.unwrap();
+}
+
+/// `art serve` as a child process with an API key; returns it and its URL.
+async fn spawn_server(
+    art: &std::path::Path,
+    model_dir: &std::path::Path,
+    art_dir: &std::path::Path,
+) -> (tokio::process::Child, String) {
+    let mut child = tokio::process::Command::new(art)
+        .args(["serve", "--port", "0", "--api-key", "sk-remote", "--model"])
+        .arg(model_dir)
+        .arg("--art-dir")
+        .arg(art_dir)
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e} (cargo test --workspace builds it)", art.display()));
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    loop {
+        let line = lines
+            .next_line()
+            .await
+            .unwrap()
+            .expect("the server prints its address");
+        if let Some(url) = line.split("listening on ").nth(1) {
+            // Keep reading so the server never blocks on a full pipe.
+            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            return (child, url.to_string());
+        }
+    }
 }

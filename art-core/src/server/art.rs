@@ -3,9 +3,13 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 pub use crate::backend::{ModelInfo, RegisterRequest};
 use axum::extract::{Path, State};
+
+use crate::train::Trainer;
 
 use super::error::{ApiError, ApiJson};
 use super::state::AppState;
@@ -16,9 +20,23 @@ pub struct Registry {
     pub models: BTreeMap<String, RegisteredModel>,
 }
 
+#[derive(Clone)]
 pub struct RegisteredModel {
     pub info: ModelInfo,
     pub dir: PathBuf,
+    /// Held for a whole training step (or a checkpoint deletion): steps of one model queue here.
+    pub trainer: Arc<Mutex<Trainer>>,
+    /// The trainer's step, readable while a step is running.
+    pub step: Arc<AtomicU64>,
+}
+
+impl RegisteredModel {
+    pub fn info(&self) -> ModelInfo {
+        ModelInfo {
+            step: self.step.load(Ordering::SeqCst),
+            ..self.info.clone()
+        }
+    }
 }
 
 /// Names clients may use: letters, digits, `-`, `_`, `.` (they become directory names and model ids).
@@ -59,16 +77,8 @@ pub async fn register(
             "a trainable model cannot take the base model's name",
         ));
     }
-    let mut registry = state.registry.lock().expect("registry lock");
-    if let Some(existing) = registry.models.get(&request.name) {
-        // Registering again is how a client reconnects; a different project or LoRA shape is a mistake.
-        if existing.info.project != request.project || existing.info.lora != request.lora {
-            return Err(ApiError::conflict(format!(
-                "a model named `{}` is already registered in project `{}` with another configuration",
-                request.name, existing.info.project
-            )));
-        }
-        return Ok(ApiJson(existing.info.clone()));
+    if let Some(existing) = state.registered(&request.name) {
+        return reconnect(&existing.info(), &request);
     }
     let dir = state
         .art_dir
@@ -77,49 +87,65 @@ pub async fn register(
         .join(&request.name);
     std::fs::create_dir_all(dir.join("checkpoints"))
         .map_err(|e| ApiError::internal(format!("cannot create {}: {e}", dir.display())))?;
+    // Loading the latest checkpoint (if any) and serving it takes a moment: off the async threads.
+    let trainer = {
+        let (engine, dir, name, lora) = (
+            state.engine.clone(),
+            dir.clone(),
+            request.name.clone(),
+            request.lora.clone(),
+        );
+        tokio::task::spawn_blocking(move || Trainer::new(engine, dir, &name, &lora))
+            .await
+            .map_err(|e| ApiError::internal(format!("the trainer could not start: {e}")))?
+            .map_err(|e| ApiError::internal(format!("the trainer could not start: {e}")))?
+    };
     let info = ModelInfo {
         name: request.name.clone(),
-        project: request.project,
+        project: request.project.clone(),
         base_model: state.base_model.clone(),
-        step: latest_checkpoint(&dir),
-        lora: request.lora,
+        step: trainer.step(),
+        // A resumed checkpoint's LoRA shape wins over the request's.
+        lora: trainer.lora_config().clone(),
     };
     let model_json = serde_json::to_vec_pretty(&info).expect("model info serializes");
     crate::fsutil::write_atomic(&dir.join("model.json"), &model_json)
         .map_err(|e| ApiError::internal(format!("cannot write model.json: {e}")))?;
+    let mut registry = state.registry.lock().expect("registry lock");
+    // Another request may have registered the same name meanwhile.
+    if let Some(existing) = registry.models.get(&request.name) {
+        return reconnect(&existing.info(), &request);
+    }
     registry.models.insert(
         request.name,
         RegisteredModel {
+            step: Arc::new(AtomicU64::new(info.step)),
             info: info.clone(),
             dir,
+            trainer: Arc::new(Mutex::new(trainer)),
         },
     );
     Ok(ApiJson(info))
+}
+
+/// Registering again is how a client reconnects; a different project or LoRA shape is a mistake.
+/// (A model resumed from its checkpoints takes their LoRA shape, whatever the first request said.)
+fn reconnect(
+    existing: &ModelInfo,
+    request: &RegisterRequest,
+) -> Result<ApiJson<ModelInfo>, ApiError> {
+    if existing.project != request.project || existing.lora != request.lora {
+        return Err(ApiError::conflict(format!(
+            "a model named `{}` is already registered in project `{}` with another configuration",
+            request.name, existing.project
+        )));
+    }
+    Ok(ApiJson(existing.clone()))
 }
 
 pub async fn get_model(
     State(state): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<ApiJson<ModelInfo>, ApiError> {
-    let registry = state.registry.lock().expect("registry lock");
-    registry
-        .models
-        .get(&name)
-        .map(|m| ApiJson(m.info.clone()))
-        .ok_or_else(|| {
-            ApiError::not_found(format!(
-                "no trainable model named `{name}`; register it first"
-            ))
-        })
-}
-
-/// The highest `checkpoints/<step>` in a model directory (0 when there is none).
-pub fn latest_checkpoint(dir: &std::path::Path) -> u64 {
-    std::fs::read_dir(dir.join("checkpoints"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| entry.file_name().to_str()?.parse::<u64>().ok())
-        .max()
-        .unwrap_or(0)
+    Ok(ApiJson(state.registered_or_404(&name)?.info()))
 }

@@ -6,13 +6,14 @@ mod batcher;
 mod chat;
 mod error;
 mod state;
+mod training;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::extract::{Request, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::header::AUTHORIZATION;
 use axum::middleware::{self, Next};
 use axum::response::Response;
@@ -26,6 +27,9 @@ pub use art::{ModelInfo, RegisterRequest};
 pub use batcher::{BatchEvent, Batcher};
 pub use error::ApiError;
 pub use state::{AppState, Shared};
+
+/// The largest request body accepted (axum's default of 2 MB is too small for training batches).
+const MAX_BODY_BYTES: usize = 512 << 20;
 
 /// How to run the server.
 #[derive(Debug, Clone)]
@@ -106,6 +110,14 @@ pub fn router(state: AppState) -> Router {
         .route("/models", get(list_models))
         .route("/art/models", post(art::register))
         .route("/art/models/{name}", get(art::get_model))
+        .route("/art/models/{name}/train", post(training::train))
+        .route("/art/models/{name}/checkpoints", get(training::checkpoints))
+        .route(
+            "/art/models/{name}/checkpoints/delete",
+            post(training::delete_checkpoints),
+        )
+        // Training batches of long multi-turn rollouts with logprobs run to many megabytes.
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,

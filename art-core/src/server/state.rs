@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use crate::engine::chat_template::ChatTemplate;
 use crate::engine::Engine;
 
-use super::art::Registry;
+use super::art::{RegisteredModel, Registry};
 use super::batcher::Batcher;
 use super::error::ApiError;
 
@@ -58,6 +58,24 @@ impl AppState {
             return Ok(None);
         }
         Err(ApiError::model_not_found(requested, &self.model_ids()))
+    }
+
+    /// A registered trainable model (a cheap handle: its trainer is shared).
+    pub fn registered(&self, name: &str) -> Option<RegisteredModel> {
+        self.registry
+            .lock()
+            .expect("registry lock")
+            .models
+            .get(name)
+            .cloned()
+    }
+
+    pub fn registered_or_404(&self, name: &str) -> Result<RegisteredModel, ApiError> {
+        self.registered(name).ok_or_else(|| {
+            ApiError::not_found(format!(
+                "no trainable model named `{name}`; register it first (POST /v1/art/models)"
+            ))
+        })
     }
 
     pub fn is_trainable(&self, name: &str) -> bool {

@@ -129,6 +129,22 @@ impl From<candle_core::Error> for TrainError {
 }
 
 impl TrainError {
+    /// Whether the request was at fault (a bad config or batch), as opposed to the backend.
+    pub fn is_client_error(&self) -> bool {
+        matches!(
+            self,
+            TrainError::Config(_)
+                | TrainError::EmptyBatch(_)
+                | TrainError::MissingTokenIds { .. }
+                | TrainError::MissingLogprobs { .. }
+                | TrainError::LogprobCountMismatch { .. }
+                | TrainError::TokenOutOfVocabulary { .. }
+                | TrainError::SequenceTooLong { .. }
+                | TrainError::ChatTemplate { .. }
+                | TrainError::NonFinite { .. }
+        )
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         TrainError::Io {
             path: path.into(),

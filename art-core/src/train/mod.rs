@@ -38,5 +38,6 @@ pub use error::{Result, SequenceSource, TrainError};
 pub use loss::{micro_batch_loss, MicroBatchLoss, Normalization};
 pub use optim::{AdamW, AdamWParams};
 pub use trainer::{
-    checkpoint_dir, list_checkpoints, StepMetrics, StepResult, TrainProgress, Trainer,
+    checkpoint_dir, checkpoint_metrics, list_checkpoints, StepMetrics, StepResult, TrainProgress,
+    Trainer,
 };

@@ -8,6 +8,8 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
+pub use crate::types::{StepMetrics, StepResult, TrainProgress};
+
 use crate::engine::chat_template::ChatTemplate;
 use crate::engine::{Engine, LoraAdapter};
 use crate::types::{LoraConfig, TrainConfig, TrajectoryGroup};
@@ -16,86 +18,6 @@ use super::batch::{chat_template_for, pack_micro_batches, prepare_batch, Tokeniz
 use super::error::{Result, TrainError};
 use super::loss::{micro_batch_loss, Normalization};
 use super::optim::{AdamW, AdamWParams};
-
-/// Progress of a step, reported after each micro-batch (for streaming as NDJSON).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TrainProgress {
-    /// The step being computed (the trainer's step + 1).
-    pub step: u64,
-    /// Micro-batches done so far, and in all.
-    pub micro_batch: usize,
-    pub micro_batches: usize,
-    /// Trainable tokens done so far, and in all.
-    pub trainable_tokens: usize,
-    pub total_trainable_tokens: usize,
-    /// The step's loss accumulated so far (the full loss once all micro-batches are done).
-    pub loss: f64,
-    pub elapsed_s: f64,
-}
-
-/// What one step measured. Field names follow ART's metrics where it has them.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-pub struct StepMetrics {
-    /// `policy_loss + beta * kl`.
-    pub loss: f64,
-    pub policy_loss: f64,
-    /// k3 estimate of KL(policy || base), only computed when `beta > 0`.
-    pub kl: Option<f64>,
-    /// Mean entropy of the policy over trainable positions.
-    pub entropy: f64,
-    /// Global gradient norm before clipping.
-    pub grad_norm: f64,
-    pub learning_rate: f64,
-    /// Mean and std of all trajectories' rewards (skipped groups included).
-    pub reward: f64,
-    pub reward_std: f64,
-    pub num_trajectories: usize,
-    /// Sequences trained on (trajectories and additional histories of the groups used).
-    pub num_sequences: usize,
-    pub num_trainable_tokens: usize,
-    /// All tokens of the sequences trained on (prompts included, padding not).
-    pub num_tokens: usize,
-    pub num_micro_batches: usize,
-    /// Forward + backward + optimizer throughput over all tokens.
-    pub tokens_per_second: f64,
-    pub num_groups_trained: usize,
-    /// Groups whose rewards were all equal: they contribute nothing.
-    pub num_groups_skipped: usize,
-    /// Fraction of trainable tokens whose importance ratio was clipped.
-    pub clip_fraction: f64,
-    /// Pearson correlation and mean absolute difference between the sampler's and the trainer's
-    /// logprobs of the sampled tokens (before the update); `None` without sampler logprobs.
-    pub logprob_corr: Option<f64>,
-    pub logprob_abs_diff: Option<f64>,
-    pub duration_s: f64,
-}
-
-impl StepMetrics {
-    /// The metrics as `name -> number` (absent values left out), e.g. for a history file.
-    pub fn to_map(&self) -> std::collections::BTreeMap<String, f64> {
-        let value = serde_json::to_value(self).expect("metrics serialize");
-        value
-            .as_object()
-            .expect("metrics are an object")
-            .iter()
-            .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
-            .collect()
-    }
-}
-
-/// The outcome of [`Trainer::train`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StepResult {
-    /// The step the model is at now (one more than before the call).
-    pub step: u64,
-    /// False when no group had differing rewards: the step advanced, the weights did not change.
-    pub trained: bool,
-    pub metrics: StepMetrics,
-    /// Where the step's checkpoint was written.
-    pub checkpoint: PathBuf,
-    /// The adapter name the engine serves this step under (`name@step`).
-    pub adapter_name: String,
-}
 
 /// What a checkpoint records besides the adapter and the optimizer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -127,6 +49,12 @@ pub fn list_checkpoints(model_dir: &Path) -> Vec<u64> {
         .collect();
     steps.sort_unstable();
     steps
+}
+
+/// What the checkpoint of `step` recorded about its training step, if anything.
+pub fn checkpoint_metrics(model_dir: &Path, step: u64) -> Option<StepMetrics> {
+    let text = std::fs::read_to_string(checkpoint_dir(model_dir, step).join(STATE_FILE)).ok()?;
+    serde_json::from_str::<TrainerState>(&text).ok()?.metrics
 }
 
 /// Trains one LoRA adapter on one engine with GRPO. See the module docs of [`crate::train`].
@@ -234,6 +162,32 @@ impl Trainer {
         format!("{}@{step}", self.name)
     }
 
+    /// The `name@step` adapters the engine currently serves for this model, oldest first.
+    pub fn served_adapters(&self) -> &[String] {
+        &self.served
+    }
+
+    /// Deletes the checkpoint of every step not in `keep`, except the latest (training resumes
+    /// from it), and stops serving them. Returns the steps deleted and the steps left.
+    pub fn delete_checkpoints(&mut self, keep: &[u64]) -> Result<(Vec<u64>, Vec<u64>)> {
+        let steps = list_checkpoints(&self.model_dir);
+        let latest = steps.last().copied();
+        let (mut deleted, mut kept) = (Vec::new(), Vec::new());
+        for step in steps {
+            if keep.contains(&step) || Some(step) == latest {
+                kept.push(step);
+                continue;
+            }
+            let dir = checkpoint_dir(&self.model_dir, step);
+            std::fs::remove_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
+            let name = self.adapter_name(step);
+            self.engine.remove_adapter(&name);
+            self.served.retain(|n| n != &name);
+            deleted.push(step);
+        }
+        Ok((deleted, kept))
+    }
+
     /// Registers a snapshot of the current adapter as `name@step` and `name`.
     fn register(&mut self) -> Result<()> {
         let snapshot = Arc::new(self.adapter.snapshot()?);
@@ -309,6 +263,16 @@ impl Trainer {
         let total_trainable: usize = sequences.iter().map(|s| s.num_trainable()).sum();
         let num_tokens: usize = lengths.iter().sum();
         let next_step = self.step + 1;
+        // The batch is valid: say so before the (long) compute starts.
+        on_progress(TrainProgress {
+            step: next_step,
+            micro_batch: 0,
+            micro_batches: micro_batches.len(),
+            trainable_tokens: 0,
+            total_trainable_tokens: total_trainable,
+            loss: 0.0,
+            elapsed_s: started.elapsed().as_secs_f64(),
+        });
 
         let named = self.adapter.named_vars();
         let mut grads: Vec<Option<Tensor>> = vec![None; named.len()];

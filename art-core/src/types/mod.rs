@@ -4,6 +4,7 @@ mod choice;
 mod config;
 mod message;
 mod openai;
+mod training;
 mod trajectory;
 
 pub use choice::{Choice, ChoiceLogprobs, TokenLogprob, TopLogprob};
@@ -14,6 +15,10 @@ pub use message::{
 };
 pub use openai::{
     ChatCompletion, ChatCompletionRequest, JsonSchemaFormat, ResponseFormat, Stop, Usage,
+};
+pub use training::{
+    CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse,
+    StepMetrics, StepResult, TrainEvent, TrainProgress, TrainRequest,
 };
 pub use trajectory::{
     History, MessageOrChoice, MetadataValue, MetricValue, RolloutException, Trajectory,

@@ -1,0 +1,140 @@
+//! Training and checkpoints of registered models. `POST /v1/art/models/{name}/train` runs one GRPO
+//! step and streams its progress as NDJSON ([`TrainEvent`] per line); checkpoints are listed and
+//! pruned under `/v1/art/models/{name}/checkpoints`.
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::header::CONTENT_TYPE;
+use axum::response::{IntoResponse, Response};
+use tokio::sync::mpsc;
+
+use crate::train::{checkpoint_metrics, list_checkpoints, TrainError};
+use crate::types::{
+    CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse,
+    TrainEvent, TrainRequest,
+};
+
+use super::error::{ApiError, ApiJson};
+use super::state::AppState;
+
+pub async fn train(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    ApiJson(request): ApiJson<TrainRequest>,
+) -> Result<Response, ApiError> {
+    let model = state.registered_or_404(&name)?;
+    request
+        .config
+        .validate()
+        .map_err(|e| ApiError::invalid_param("config", e.to_string()))?;
+    if request.trajectory_groups.is_empty() {
+        return Err(ApiError::invalid_param(
+            "trajectory_groups",
+            "no trajectory groups to train on",
+        ));
+    }
+
+    // The step runs on a blocking thread; events come back over a channel. Steps of one model
+    // queue on its trainer's lock. A client that goes away does not stop a step: its checkpoint
+    // is still written, and the next get_step shows it.
+    let (events, mut received) = mpsc::unbounded_channel::<Result<TrainEvent, TrainError>>();
+    tokio::task::spawn_blocking(move || {
+        let mut trainer = model
+            .trainer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let progress = events.clone();
+        let outcome = trainer.train(&request.trajectory_groups, &request.config, |p| {
+            let _ = progress.send(Ok(TrainEvent::Progress(p)));
+        });
+        if let Ok(result) = &outcome {
+            model
+                .step
+                .store(result.step, std::sync::atomic::Ordering::SeqCst);
+        }
+        let _ = events.send(outcome.map(TrainEvent::Result));
+    });
+
+    // The trainer reports once the batch is prepared (or fails to be): a rejected batch is an
+    // HTTP error, an accepted one starts the stream.
+    let first = match received.recv().await {
+        Some(Ok(event)) => event,
+        Some(Err(e)) => return Err(train_error(e)),
+        None => {
+            return Err(ApiError::internal(
+                "the training thread stopped unexpectedly",
+            ))
+        }
+    };
+    let lines = futures::stream::unfold(
+        (Some(first), received),
+        |(pending, mut received)| async move {
+            let event = match pending {
+                Some(event) => event,
+                None => match received.recv().await? {
+                    Ok(event) => event,
+                    Err(e) => TrainEvent::Error {
+                        message: e.to_string(),
+                    },
+                },
+            };
+            let mut line = serde_json::to_vec(&event).expect("train events serialize");
+            line.push(b'\n');
+            Some((
+                Ok::<_, std::convert::Infallible>(Bytes::from(line)),
+                (None, received),
+            ))
+        },
+    );
+    Ok((
+        [(CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(lines),
+    )
+        .into_response())
+}
+
+fn train_error(e: TrainError) -> ApiError {
+    if e.is_client_error() {
+        ApiError::bad_request(e.to_string())
+    } else {
+        ApiError::internal(e.to_string())
+    }
+}
+
+pub async fn checkpoints(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<ApiJson<CheckpointList>, ApiError> {
+    let model = state.registered_or_404(&name)?;
+    let data = list_checkpoints(&model.dir)
+        .into_iter()
+        .map(|step| {
+            let id = format!("{name}@{step}");
+            CheckpointInfo {
+                step,
+                served_as: state.engine.adapter(&id).is_some().then_some(id),
+                metrics: checkpoint_metrics(&model.dir, step),
+            }
+        })
+        .collect();
+    Ok(ApiJson(CheckpointList { data }))
+}
+
+pub async fn delete_checkpoints(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    ApiJson(request): ApiJson<DeleteCheckpointsRequest>,
+) -> Result<ApiJson<DeleteCheckpointsResponse>, ApiError> {
+    let model = state.registered_or_404(&name)?;
+    let (deleted, kept) = tokio::task::spawn_blocking(move || {
+        model
+            .trainer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .delete_checkpoints(&request.keep)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("deleting checkpoints stopped: {e}")))?
+    .map_err(train_error)?;
+    Ok(ApiJson(DeleteCheckpointsResponse { deleted, kept }))
+}

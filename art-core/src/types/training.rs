@@ -1,0 +1,138 @@
+//! What a training step reports, and the training API's wire format (`/v1/art/models/{name}/...`).
+//! Shared by the trainer, the server and the client, so these types build without the engine.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use super::{TrainConfig, TrajectoryGroup};
+
+/// Progress of a step, reported after each micro-batch (for streaming as NDJSON).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainProgress {
+    /// The step being computed (the trainer's step + 1).
+    pub step: u64,
+    /// Micro-batches done so far, and in all.
+    pub micro_batch: usize,
+    pub micro_batches: usize,
+    /// Trainable tokens done so far, and in all.
+    pub trainable_tokens: usize,
+    pub total_trainable_tokens: usize,
+    /// The step's loss accumulated so far (the full loss once all micro-batches are done).
+    pub loss: f64,
+    pub elapsed_s: f64,
+}
+
+/// What one step measured. Field names follow ART's metrics where it has them.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// `policy_loss + beta * kl`.
+    pub loss: f64,
+    pub policy_loss: f64,
+    /// k3 estimate of KL(policy || base), only computed when `beta > 0`.
+    pub kl: Option<f64>,
+    /// Mean entropy of the policy over trainable positions.
+    pub entropy: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub learning_rate: f64,
+    /// Mean and std of all trajectories' rewards (skipped groups included).
+    pub reward: f64,
+    pub reward_std: f64,
+    pub num_trajectories: usize,
+    /// Sequences trained on (trajectories and additional histories of the groups used).
+    pub num_sequences: usize,
+    pub num_trainable_tokens: usize,
+    /// All tokens of the sequences trained on (prompts included, padding not).
+    pub num_tokens: usize,
+    pub num_micro_batches: usize,
+    /// Forward + backward + optimizer throughput over all tokens.
+    pub tokens_per_second: f64,
+    pub num_groups_trained: usize,
+    /// Groups whose rewards were all equal: they contribute nothing.
+    pub num_groups_skipped: usize,
+    /// Fraction of trainable tokens whose importance ratio was clipped.
+    pub clip_fraction: f64,
+    /// Pearson correlation and mean absolute difference between the sampler's and the trainer's
+    /// logprobs of the sampled tokens (before the update); `None` without sampler logprobs.
+    pub logprob_corr: Option<f64>,
+    pub logprob_abs_diff: Option<f64>,
+    pub duration_s: f64,
+}
+
+impl StepMetrics {
+    /// The metrics as `name -> number` (absent values left out), e.g. for a history file.
+    pub fn to_map(&self) -> std::collections::BTreeMap<String, f64> {
+        let value = serde_json::to_value(self).expect("metrics serialize");
+        value
+            .as_object()
+            .expect("metrics are an object")
+            .iter()
+            .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+            .collect()
+    }
+}
+
+/// The outcome of [`Trainer::train`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepResult {
+    /// The step the model is at now (one more than before the call).
+    pub step: u64,
+    /// False when no group had differing rewards: the step advanced, the weights did not change.
+    pub trained: bool,
+    pub metrics: StepMetrics,
+    /// Where the step's checkpoint was written.
+    pub checkpoint: PathBuf,
+    /// The adapter name the engine serves this step under (`name@step`).
+    pub adapter_name: String,
+}
+
+/// `POST /v1/art/models/{name}/train`: one GRPO step over these groups.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainRequest {
+    pub trajectory_groups: Vec<TrajectoryGroup>,
+    #[serde(default)]
+    pub config: TrainConfig,
+}
+
+/// One line of the train endpoint's NDJSON answer: progress lines, then one `result` or `error`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum TrainEvent {
+    Progress(TrainProgress),
+    Result(StepResult),
+    /// The step failed; nothing was changed (the model stays at its previous step).
+    Error {
+        message: String,
+    },
+}
+
+/// A checkpoint the backend keeps for a model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointInfo {
+    pub step: u64,
+    /// The model id that serves it (`name@step`), while the backend keeps it loaded.
+    pub served_as: Option<String>,
+    /// What the step measured, when its checkpoint recorded it.
+    pub metrics: Option<StepMetrics>,
+}
+
+/// `GET /v1/art/models/{name}/checkpoints`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointList {
+    pub data: Vec<CheckpointInfo>,
+}
+
+/// `POST /v1/art/models/{name}/checkpoints/delete`: delete every checkpoint except these steps
+/// (the latest is always kept, it is what the model resumes from).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeleteCheckpointsRequest {
+    pub keep: Vec<u64>,
+}
+
+/// What a delete removed and what is left.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeleteCheckpointsResponse {
+    pub deleted: Vec<u64>,
+    pub kept: Vec<u64>,
+}
