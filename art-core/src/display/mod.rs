@@ -23,6 +23,7 @@
 
 mod html;
 mod progress;
+mod training;
 pub mod wire;
 
 use std::collections::BTreeMap;
@@ -33,6 +34,7 @@ use serde_json::Value;
 
 pub use html::{escape_html, STYLE};
 pub use progress::GatherProgressView;
+pub use training::TrainingView;
 use wire::DisplayMessage;
 
 /// A mime bundle: the same content in one or more formats; the front end picks the richest it can
