@@ -111,6 +111,30 @@ art_kernel_ready().await;
         )
     }
 
+    /// Starts a build directory's lockfile from the checkout's `Cargo.lock` (when cells use
+    /// art-core from a checkout): cells then build the dependency versions the workspace was
+    /// tested with, found in cargo's local registry cache, without resolving against the
+    /// registry's index. A lockfile already there is kept.
+    pub fn seed_lockfile(&self, build_dir: &Path) {
+        let ArtCoreSource::Path(art_core) = &self.art_core else {
+            return;
+        };
+        let target = build_dir.join("Cargo.lock");
+        let Some(source) = art_core.parent().map(|p| p.join("Cargo.lock")) else {
+            return;
+        };
+        if target.exists() || !source.is_file() {
+            return;
+        }
+        if let Err(error) = std::fs::copy(&source, &target) {
+            eprintln!(
+                "art-kernel: cannot copy {} to {} ({error}); cargo will resolve afresh",
+                source.display(),
+                target.display()
+            );
+        }
+    }
+
     /// Cargo configuration above the build directories: the toolkit and its dependencies are
     /// compiled optimised, whatever level cells use.
     pub fn write_cargo_config(&self) -> Result<()> {
@@ -208,6 +232,36 @@ mod tests {
         assert!(prelude.contains(".await;"));
         let json = serde_json::to_string(&config).unwrap();
         assert!(json.contains(r#""art_core":{"path":"/src/art-core"}"#));
+    }
+
+    #[test]
+    fn lockfile_is_seeded_from_the_checkout_once() {
+        let root =
+            std::env::temp_dir().join(format!("art-kernel-lock-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("checkout/art-core")).unwrap();
+        std::fs::create_dir_all(root.join("slot")).unwrap();
+        std::fs::write(root.join("checkout/Cargo.lock"), "version = 4\n").unwrap();
+        let config = KernelConfig {
+            art_core: ArtCoreSource::Path(root.join("checkout/art-core")),
+            cache_dir: root.join("cache"),
+            cell_opt_level: "0".into(),
+            offline: true,
+            toolchain: None,
+        };
+        config.seed_lockfile(&root.join("slot"));
+        assert_eq!(
+            std::fs::read_to_string(root.join("slot/Cargo.lock")).unwrap(),
+            "version = 4\n"
+        );
+        // Cargo owns it from then on.
+        std::fs::write(root.join("slot/Cargo.lock"), "resolved by cargo").unwrap();
+        config.seed_lockfile(&root.join("slot"));
+        assert_eq!(
+            std::fs::read_to_string(root.join("slot/Cargo.lock")).unwrap(),
+            "resolved by cargo"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

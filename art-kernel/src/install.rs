@@ -148,6 +148,7 @@ pub fn set_engine_env(config: &KernelConfig, slot: &Path) {
     if let Some(toolchain) = &config.toolchain {
         std::env::set_var("RUSTUP_TOOLCHAIN", toolchain);
     }
+    config.seed_lockfile(slot);
 }
 
 /// Compiles the prelude and a cell using the displays once, in the first free build slot.

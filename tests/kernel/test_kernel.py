@@ -303,6 +303,32 @@ println!("three");
         kinds = [o["msg_type"] for o in outputs]
         self.assertEqual(kinds, ["stream", "display_data", "stream", "execute_result"], outputs)
 
+    def test_13_training_view_draws_curves_in_place(self):
+        k = kernel()
+        code = r'''
+let view = display::TrainingView::new("GRPO");
+for step in 1..=3u64 {
+    let mut hook = view.hook();
+    for micro_batch in 0..=2 {
+        hook(&TrainProgress {
+            step, micro_batch, micro_batches: 2, trainable_tokens: micro_batch * 8,
+            total_trainable_tokens: 16, loss: 0.1, elapsed_s: 0.0,
+        });
+    }
+    view.record_step(step, step as f64 / 3.0, 0.5 / step as f64);
+}
+'''
+        reply, outputs = k.run(code)
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        shown = of_type(outputs, "display_data")
+        updates = of_type(outputs, "update_display_data")
+        self.assertEqual(len(shown), 1, outputs)
+        self.assertGreaterEqual(len(updates), 5, outputs)
+        final = updates[-1]["content"]["data"]
+        self.assertEqual(final["text/plain"], "GRPO: step 3, reward 1 (first 0.333), loss 0.167")
+        self.assertEqual(final["text/html"].count("<svg"), 2)
+        self.assertEqual(final["text/html"].count("<circle"), 6)
+
 
 def main():
     if not os.path.exists(KERNEL_BIN):
