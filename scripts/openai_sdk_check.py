@@ -39,6 +39,51 @@ def main(base_url: str, model: str, api_key: str) -> None:
     for c in many.choices:
         assert all(t.logprob <= 0 and len(t.top_logprobs) == 2 for t in c.logprobs.content), c.logprobs
 
+    # Structured output: the reply parses against the schema.
+    schema = {
+        "type": "object",
+        # Bounded, so that even a random-weight model finishes the object within max_tokens.
+        "properties": {"answer": {"type": "string", "maxLength": 12},
+                       "confidence": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["answer", "confidence"],
+    }
+    structured = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=60, seed=4,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}})
+    assert structured.choices[0].finish_reason == "stop", structured.choices[0]
+    reply = json.loads(structured.choices[0].message.content)
+    assert isinstance(reply["answer"], str) and isinstance(reply["confidence"], int), reply
+
+    # Tools: the model calls one (forced), the client runs it and sends the result, the model answers.
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                       "required": ["city"]}}}]
+    conversation = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.chat.completions.create(model=model, messages=conversation, tools=tools,
+                                            tool_choice="required", max_tokens=120, seed=5)
+    call_choice = called.choices[0]
+    assert call_choice.finish_reason == "tool_calls", call_choice
+    call = call_choice.message.tool_calls[0]
+    assert call.function.name == "get_weather", call
+    assert isinstance(json.loads(call.function.arguments)["city"], str), call.function.arguments
+    named = client.chat.completions.create(
+        model=model, messages=conversation, tools=tools, max_tokens=120, seed=6,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "get_weather", named
+    conversation.append(call_choice.message.model_dump(exclude_none=True))
+    conversation.append({"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"})
+    answered = client.chat.completions.create(model=model, messages=conversation, tools=tools,
+                                              tool_choice="none", max_tokens=12, seed=7)
+    assert isinstance(answered.choices[0].message.content, str), answered
+    assert not answered.choices[0].message.tool_calls, answered
+    expect_error(openai.BadRequestError, None,
+                 lambda: client.chat.completions.create(model=model, messages=conversation, tool_choice="required"))
+    expect_error(openai.BadRequestError, None,
+                 lambda: client.chat.completions.create(
+                     model=model, messages=conversation, tools=tools,
+                     tool_choice={"type": "function", "function": {"name": "no_such_tool"}}))
+
     # Errors arrive as the SDK's typed exceptions with the server's message.
     expect_error(openai.NotFoundError, "model_not_found",
                  lambda: client.chat.completions.create(model="no-such-model", messages=messages))
@@ -52,7 +97,7 @@ def main(base_url: str, model: str, api_key: str) -> None:
 
     models = [m.id for m in client.models.list()]
     assert model in models, models
-    print(json.dumps({"ok": True, "checks": ["chat", "stream", "logprobs+n", "errors", "models"]}))
+    print(json.dumps({"ok": True, "checks": ["chat", "stream", "logprobs+n", "json_schema", "tools", "errors", "models"]}))
 
 
 def expect_error(kind, code, call) -> None:

@@ -7,76 +7,16 @@
 use std::time::Instant;
 
 use art_core::{
-    gather_trajectory_groups, ChatCompletionRequest, GatherOptions, LocalBackend,
-    LocalBackendOptions, Message, TrainConfig, TrainableModel, Trajectory, TrajectoryGroup,
+    gather_trajectory_groups, GatherOptions, LocalBackend, LocalBackendOptions, Message,
+    TrainConfig, TrainableModel, TrajectoryGroup,
 };
 
-/// One scenario: two numbers to add.
-#[derive(Clone, Copy)]
-struct Sum(u32, u32);
+#[path = "common/arithmetic.rs"]
+mod arithmetic;
+use arithmetic::{rollout, scenarios, Sum};
 
-impl Sum {
-    fn prompt(self) -> Vec<Message> {
-        vec![
-            Message::system("You are a calculator. Reply with the number only."),
-            Message::user(format!("What is {} + {}?", self.0, self.1)),
-        ]
-    }
-
-    /// 1 for the right number as the whole reply, 0.5 when it is somewhere in the reply, else 0.
-    fn reward(self, reply: &str) -> f64 {
-        let answer = (self.0 + self.1).to_string();
-        let numbers: Vec<&str> = reply
-            .split(|c: char| !c.is_ascii_digit())
-            .filter(|s| !s.is_empty())
-            .collect();
-        match numbers.as_slice() {
-            [only] if *only == answer => 1.0,
-            many if many.contains(&answer.as_str()) => 0.5,
-            _ => 0.0,
-        }
-    }
-}
-
-/// Scenarios from a fixed pseudo-random sequence, so runs are comparable.
-fn scenarios(seed: u64, count: usize) -> Vec<Sum> {
-    let mut state = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..count)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            Sum(((state >> 33) % 20) as u32, ((state >> 45) % 20) as u32)
-        })
-        .collect()
-}
-
-async fn rollout(
-    model: &TrainableModel,
-    sum: Sum,
-    temperature: f64,
-    seed: u64,
-) -> anyhow::Result<Trajectory> {
-    let mut trajectory = Trajectory::new(sum.prompt());
-    let mut request = ChatCompletionRequest::new("", trajectory.messages());
-    request.temperature = Some(temperature);
-    request.max_tokens = Some(12);
-    request.seed = Some(seed);
-    request.logprobs = Some(true);
-    let choice = model.endpoint().complete(request).await?.choices.remove(0);
-    trajectory.reward = sum.reward(
-        &choice
-            .message
-            .content
-            .as_ref()
-            .map(|c| c.text())
-            .unwrap_or_default(),
-    );
-    trajectory.push_choice(choice);
-    Ok(trajectory.finish())
-}
+/// Both numbers of a sum are below this.
+const NUMBERS_BELOW: u32 = 20;
 
 /// Mean greedy reward on held-out scenarios.
 async fn evaluate(model: &TrainableModel, held_out: &[Sum]) -> anyhow::Result<f64> {
@@ -110,6 +50,7 @@ struct Settings {
     groups: usize,
     group_size: usize,
     learning_rate: f64,
+    temperature: f64,
     eval: usize,
 }
 
@@ -120,6 +61,7 @@ impl Settings {
             groups: 8,
             group_size: 6,
             learning_rate: 2e-4,
+            temperature: 1.0,
             eval: 32,
         };
         let args: Vec<String> = std::env::args().skip(1).collect();
@@ -132,9 +74,10 @@ impl Settings {
                 "--groups" => settings.groups = value.parse()?,
                 "--group-size" => settings.group_size = value.parse()?,
                 "--learning-rate" => settings.learning_rate = value.parse()?,
+                "--temperature" => settings.temperature = value.parse()?,
                 "--eval" => settings.eval = value.parse()?,
                 other => anyhow::bail!(
-                    "unknown option `{other}` (use --steps, --groups, --group-size, --learning-rate, --eval)"
+                    "unknown option `{other}` (use --steps, --groups, --group-size, --learning-rate, --temperature, --eval)"
                 ),
             }
         }
@@ -158,7 +101,7 @@ async fn main() -> anyhow::Result<()> {
     let model = TrainableModel::register(&backend, format!("adder-{run}"), "main-job").await?;
     println!("model {} (base {})", model.name, model.base_model);
 
-    let held_out = scenarios(2, settings.eval);
+    let held_out = scenarios(2, settings.eval, NUMBERS_BELOW);
     let base = evaluate(&model, &held_out).await?;
     println!(
         "held-out reward of the base model: {base:.3} over {} sums",
@@ -175,11 +118,12 @@ async fn main() -> anyhow::Result<()> {
     );
     for step in 0..settings.steps {
         let step_started = Instant::now();
-        let sums = scenarios(1000 + step as u64, settings.groups);
+        let sums = scenarios(1000 + step as u64, settings.groups, NUMBERS_BELOW);
         let model = &model;
         let groups = sums.iter().map(|&sum| {
             TrajectoryGroup::from_rollouts(
-                (0..settings.group_size).map(move |i| rollout(model, sum, 1.0, i as u64)),
+                (0..settings.group_size)
+                    .map(move |i| rollout(model, sum, settings.temperature, i as u64)),
             )
         });
         let groups = gather_trajectory_groups(

@@ -9,6 +9,9 @@
 //!     --random qwen2.5-0.5b --device cuda --batch 8 --seq 512
 //! ```
 //!
+//! `--compare` alternates iterations with candle's composite ops (the reference) and with the
+//! engine's fused kernels, and prints the speed-up measured under the same load.
+//!
 //! Prints tokens/s and the ratio to a reference (`--reference`, default: PyTorch with transformers
 //! and peft measured on the same CPU for SmolLM2, 262 tok/s; on the GPU, the HF figure for
 //! Qwen2.5-0.5B from DESIGN.md, 23,779 tok/s).
@@ -32,6 +35,7 @@ struct Args {
     iters: usize,
     micro_batch_tokens: usize,
     reference: Option<f64>,
+    compare: bool,
 }
 
 fn parse_args() -> Args {
@@ -44,6 +48,7 @@ fn parse_args() -> Args {
         iters: 3,
         micro_batch_tokens: 0,
         reference: None,
+        compare: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -58,6 +63,7 @@ fn parse_args() -> Args {
             "--micro-batch-tokens" => {
                 args.micro_batch_tokens = value().parse().expect("--micro-batch-tokens N")
             }
+            "--compare" => args.compare = true,
             "--reference" => args.reference = Some(value().parse().expect("--reference TOK/S")),
             other => panic!("unknown flag {other}; see the example's docs"),
         }
@@ -184,7 +190,17 @@ fn main() {
         batches.len()
     );
     let mut rates = Vec::new();
-    for iter in 0..=args.iters {
+    let mut composite_rates = Vec::new();
+    // With --compare, iterations alternate between candle's composite ops (the reference, odd
+    // iterations) and the fused kernels (even ones), so that both see the same machine load.
+    let total_iters = if args.compare {
+        2 * args.iters + 1
+    } else {
+        args.iters
+    };
+    for iter in 0..=total_iters {
+        let composite = args.compare && iter % 2 == 1;
+        art_core::engine::set_fused_ops(!composite);
         let t0 = Instant::now();
         let mut grads: Vec<Option<art_core::engine::Tensor>> = vec![None; named.len()];
         for mb in &batches {
@@ -215,11 +231,28 @@ fn main() {
         let rate = tokens as f64 / dt;
         println!(
             "iter {iter}{}: {dt:.2} s, {rate:.0} tok/s",
-            if iter == 0 { " (warm-up)" } else { "" }
+            if iter == 0 {
+                " (warm-up)"
+            } else if composite {
+                " (composite ops)"
+            } else {
+                ""
+            }
         );
-        if iter > 0 {
+        if composite {
+            composite_rates.push(rate);
+        } else if iter > 0 {
             rates.push(rate);
         }
+    }
+    if args.compare {
+        let composite = composite_rates.iter().sum::<f64>() / composite_rates.len() as f64;
+        let fused = rates.iter().sum::<f64>() / rates.len() as f64;
+        println!(
+            "fused kernels {fused:.1} tok/s vs candle's composite ops {composite:.1} tok/s: \
+             speed-up {:.2}x",
+            fused / composite
+        );
     }
     let mean = rates.iter().sum::<f64>() / rates.len().max(1) as f64;
     println!(

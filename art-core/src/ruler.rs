@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::client::ChatEndpoint;
 use crate::types::{
@@ -312,23 +312,30 @@ fn push_messages(prompt: &mut String, messages: &[Message]) {
 }
 
 fn response_format(count: usize) -> ResponseFormat {
+    // One schema per position, its id a constant: a constrained judge (our own backend) can then
+    // neither skip, repeat nor invent a trajectory, however small it is.
+    let entries: Vec<Value> = (1..=count)
+        .map(|id| {
+            json!({
+                "type": "object",
+                "properties": {
+                    "trajectory_id": {"type": "string", "const": id.to_string()},
+                    "explanation": {"type": "string", "maxLength": 400},
+                    "score": {"type": "number", "minimum": 0, "maximum": 1}
+                },
+                "required": ["trajectory_id", "explanation", "score"],
+                "additionalProperties": false
+            })
+        })
+        .collect();
     let schema = json!({
         "type": "object",
         "properties": {
             "scores": {
                 "type": "array",
+                "prefixItems": entries,
                 "minItems": count,
-                "maxItems": count,
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "trajectory_id": {"type": "string"},
-                        "explanation": {"type": "string"},
-                        "score": {"type": "number", "minimum": 0, "maximum": 1}
-                    },
-                    "required": ["trajectory_id", "explanation", "score"],
-                    "additionalProperties": false
-                }
+                "maxItems": count
             }
         },
         "required": ["scores"],

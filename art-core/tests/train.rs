@@ -812,7 +812,9 @@ fn a_step_checkpoints_serves_and_reports_progress() {
     assert_eq!(m.num_groups_skipped, 2);
     assert_eq!(m.num_sequences, 12);
     assert!(m.num_micro_batches > 1, "{m:?}");
-    assert_eq!(progress.len(), m.num_micro_batches);
+    // One report when the batch is ready (micro-batch 0), then one per micro-batch.
+    assert_eq!(progress.len(), m.num_micro_batches + 1);
+    assert_eq!(progress[0].micro_batch, 0);
     assert_eq!(
         progress.last().unwrap().trainable_tokens,
         m.num_trainable_tokens

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, Storage, Tensor};
 
 use super::error::Result;
@@ -29,7 +29,9 @@ impl Linear {
     }
 
     /// A linear layer from a quantized tensor: dequantized to `dtype` for the dense path, and
-    /// kept quantized too when `keep_quantized`.
+    /// kept quantized too when `keep_quantized`. On CPU, formats that candle has no SIMD kernel
+    /// for (Q4_1, Q5_0, Q5_1, Q8_1) are re-quantized to Q8_0, which has AVX2/NEON kernels (the
+    /// dense weights stay the exact dequantized GGUF values).
     pub fn from_qtensor(
         qtensor: Arc<QTensor>,
         bias: Option<Tensor>,
@@ -37,12 +39,18 @@ impl Linear {
         dtype: DType,
         keep_quantized: bool,
     ) -> Result<Self> {
-        let weight = qtensor.dequantize(device)?.to_dtype(dtype)?;
+        let dense = qtensor.dequantize(device)?;
         let quantized = if keep_quantized {
-            Some(Arc::new(QMatMul::from_arc(qtensor)?))
+            let q = if device.is_cpu() && needs_requantize(&qtensor) {
+                Arc::new(QTensor::quantize(&dense, GgmlDType::Q8_0)?)
+            } else {
+                qtensor
+            };
+            Some(Arc::new(QMatMul::from_arc(q)?))
         } else {
             None
         };
+        let weight = dense.to_dtype(dtype)?;
         Ok(Linear {
             weight,
             quantized,
@@ -185,4 +193,17 @@ impl CustomOp1 for FrozenMatmul {
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         Ok(Some(grad.matmul(&self.weight)?))
     }
+}
+
+/// Whether `q` is in a block format without a SIMD CPU kernel in candle and can be re-quantized
+/// to Q8_0 (rows a multiple of its 32-value blocks).
+fn needs_requantize(q: &QTensor) -> bool {
+    matches!(
+        q.dtype(),
+        GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 | GgmlDType::Q8_1
+    ) && q
+        .shape()
+        .dims()
+        .last()
+        .is_some_and(|&n| n % GgmlDType::Q8_0.block_size() == 0)
 }

@@ -27,6 +27,7 @@ mod linear;
 mod load;
 mod lora;
 mod model;
+pub(crate) mod ops;
 pub mod random;
 mod sampler;
 mod scheduler;
@@ -48,6 +49,7 @@ pub use linear::Linear;
 pub use load::{load, LoadOptions, LoadedModel, ModelSource};
 pub use lora::{LoraAdapter, LoraPair, Proj};
 pub use model::{log_softmax, Forward, KvCache, Model};
+pub use ops::set_fused_ops;
 pub use sampler::{SampledToken, Sampler, SamplingParams};
 pub use scheduler::{
     Completion, FinishReason, GenerationOutput, GenerationRequest, RequestId, Scheduler, TokenEvent,

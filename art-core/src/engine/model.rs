@@ -16,6 +16,7 @@ use super::config::ModelConfig;
 use super::error::{EngineError, Result};
 use super::linear::Linear;
 use super::lora::{LoraAdapter, Proj};
+use super::ops;
 
 /// How to run one forward pass.
 #[derive(Debug, Clone, Copy, Default)]
@@ -66,8 +67,11 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if x.track_op() || x.dtype() == DType::F64 {
-            // The fused kernel has no backward pass (nor an f64 version).
+        if (x.track_op() || x.dtype() == DType::F64) && ops::supported(x) {
+            // One pass forward, one backward (candle's fused kernel has neither a backward
+            // nor an f64 version).
+            Ok(ops::rms_norm(x, &self.weight, self.eps)?)
+        } else if x.track_op() || x.dtype() == DType::F64 {
             Ok(candle_nn::ops::rms_norm_slow(
                 x,
                 &self.weight,
@@ -140,6 +144,9 @@ impl RopeTables {
         let x = x.contiguous()?;
         if !x.track_op() {
             return Ok(candle_nn::rotary_emb::rope(&x, &self.cos, &self.sin)?);
+        }
+        if ops::supported(&x) {
+            return Ok(ops::rope(&x, &self.cos, &self.sin)?);
         }
         // Differentiable form: x * cos + rotate_half(x) * sin.
         let cos = Tensor::cat(&[&self.cos, &self.cos], D::Minus1)?.unsqueeze(1)?;
@@ -296,6 +303,7 @@ impl Attention {
         let q = (q * (1.0 / (hd as f64).sqrt()))?;
 
         let out = match caches {
+            None if q.track_op() && ops::supported(&q) => self.attend_causal(&q, &k, &v)?,
             None => {
                 let mask = (l > 1)
                     .then(|| causal_mask(l, 0, q.dtype(), q.device()))
@@ -322,6 +330,17 @@ impl Attention {
         // [B, H, L, hd] -> [B, L, H * hd]
         let out = out.transpose(1, 2)?.reshape((b, l, h * hd))?;
         fwd.linear(&self.o_proj, &out, self.layer, Proj::O)
+    }
+
+    /// [`Attention::attend`] for sequences that start at position 0, with the causal mask and
+    /// the softmax in one fused kernel (and its backward): the training path.
+    fn attend_causal(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let (b, h, l, hd) = q.dims4()?;
+        let kv = self.num_kv_heads;
+        let q = q.reshape((b, kv, (h / kv) * l, hd))?;
+        let scores = q.matmul(&k.t()?)?;
+        let probs = ops::causal_softmax(&scores, l, 0)?;
+        Ok(probs.matmul(&v.contiguous()?)?.reshape((b, h, l, hd))?)
     }
 
     /// Grouped-query attention without copying keys per head: the `n_rep` query heads sharing a

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde_json::Value as Json;
 
-use crate::types::{AssistantMessage, Content, Tool, ToolCall};
+use crate::types::{AssistantMessage, Content, Message, SystemMessage, Tool, ToolCall};
 
 const OPEN_TAG: &str = "<tool_call>";
 const CLOSE_TAG: &str = "</tool_call>";
@@ -91,6 +91,104 @@ pub fn new_tool_call_id() -> String {
         hasher.finish()
     };
     format!("call_{:016x}{:08x}", hash(0), hash(1) as u32)
+}
+
+/// A conversation prepared for a chat template that writes tool calls in `format`.
+pub struct TemplateConversation<'t> {
+    pub messages: Vec<Message>,
+    /// The tools to hand the template (only templates with their own tool syntax take them).
+    pub tools: Option<&'t [Tool]>,
+    /// Messages inserted before the conversation's own (0 or 1): message `i` of a rendering is
+    /// message `i - inserted` of the original.
+    pub inserted: usize,
+}
+
+/// The conversation as a template of `format` should see it; the server (for prompts) and the
+/// trainer (for training sequences) both render through this, so a model trains on the context
+/// it sampled from. Hermes templates render tools and tool calls themselves. Templates without
+/// tool syntax (JSON-object format) get the tools described in the system prompt, and each past
+/// assistant call is written as the JSON object the model itself produces.
+pub fn conversation_for_template<'t>(
+    messages: &[Message],
+    tools: Option<&'t [Tool]>,
+    format: ToolCallFormat,
+) -> TemplateConversation<'t> {
+    let tools = tools.filter(|t| !t.is_empty());
+    if format == ToolCallFormat::Hermes {
+        return TemplateConversation {
+            messages: messages.to_vec(),
+            tools,
+            inserted: 0,
+        };
+    }
+    let mut out: Vec<Message> = messages
+        .iter()
+        .map(|message| match message {
+            Message::Assistant(a) if !a.tool_calls.is_empty() => {
+                let mut text = a.content.as_ref().map(Content::text).unwrap_or_default();
+                if !text.is_empty() {
+                    text.push('\n');
+                }
+                text.push_str(&json_object_calls(&a.tool_calls));
+                Message::Assistant(AssistantMessage {
+                    content: Some(Content::Text(text)),
+                    tool_calls: Vec::new(),
+                    ..a.clone()
+                })
+            }
+            other => other.clone(),
+        })
+        .collect();
+    let mut inserted = 0;
+    if let Some(tools) = tools {
+        let instructions = json_object_instructions(tools);
+        match out.first_mut() {
+            Some(Message::System(system)) => {
+                system.content =
+                    Content::Text(format!("{}\n\n{instructions}", system.content.text()));
+            }
+            _ => {
+                out.insert(
+                    0,
+                    Message::System(SystemMessage {
+                        content: Content::Text(instructions),
+                        name: None,
+                    }),
+                );
+                inserted = 1;
+            }
+        }
+    }
+    TemplateConversation {
+        messages: out,
+        tools: None,
+        inserted,
+    }
+}
+
+/// Calls as [`ToolCallFormat::JsonObject`] writes them: one object, or a list of several, laid
+/// out as constrained decoding lays JSON out (`", "` and `": "`). The arguments are kept as the
+/// model wrote them.
+fn json_object_calls(calls: &[ToolCall]) -> String {
+    let objects: Vec<String> = calls
+        .iter()
+        .map(|call| {
+            let arguments = call.function.arguments.trim();
+            format!(
+                "{{\"name\": {}, \"arguments\": {}}}",
+                Json::String(call.function.name.clone()),
+                if arguments.is_empty() {
+                    "{}"
+                } else {
+                    arguments
+                }
+            )
+        })
+        .collect();
+    match objects.as_slice() {
+        [one] => one.clone(),
+        many => format!("[{}]", many.join(", ")),
+    }
 }
 
 /// A system-prompt paragraph that teaches a model with no tool syntax in its template to call

@@ -12,13 +12,13 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::engine::chat_template::RenderOptions;
-use crate::engine::tool_calls::{json_object_instructions, ParsedCompletion, ToolCallFormat};
+use crate::engine::tool_calls::{conversation_for_template, ParsedCompletion, ToolCallFormat};
 use crate::engine::{
     Completion, Constraint, GenerationOutput, GenerationRequest, SampledToken, SamplingParams,
 };
 use crate::types::{
-    ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs, Content, Message,
-    ResponseFormat, SystemMessage, TokenLogprob, TopLogprob, Usage,
+    ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs, ResponseFormat, TokenLogprob,
+    Tool, TopLogprob, Usage,
 };
 
 use super::batcher::BatchEvent;
@@ -71,14 +71,14 @@ fn prepare(
         )
     })?;
     let tool_format = tools.map(|_| template.tool_call_format());
-    let mut messages = request.messages.clone();
-    if let (Some(tools), Some(ToolCallFormat::JsonObject)) = (tools, tool_format) {
-        // The template has no tool syntax: teach the model ours in the system prompt.
-        add_system_text(&mut messages, &json_object_instructions(tools));
-    }
-    let template_tools = tools.filter(|_| tool_format == Some(ToolCallFormat::Hermes));
+    let conversation =
+        conversation_for_template(&request.messages, tools, template.tool_call_format());
     let prompt_text = template
-        .render_with_options(&messages, template_tools, &RenderOptions::generation())
+        .render_with_options(
+            &conversation.messages,
+            conversation.tools,
+            &RenderOptions::generation(),
+        )
         .map_err(|e| {
             ApiError::invalid_param(
                 "messages",
@@ -96,6 +96,15 @@ fn prepare(
         state.default_max_tokens,
     )?;
     params.constraint = response_constraint(request.response_format.as_ref())?;
+    if let Some(forced) = forced_tool_call(request, tools, tool_format)? {
+        if params.constraint.is_some() {
+            return Err(ApiError::invalid_param(
+                "tool_choice",
+                "a forced tool call and a response_format cannot both shape the reply; drop one",
+            ));
+        }
+        params.constraint = Some(forced);
+    }
     let prepared = Prepared {
         id: format!(
             "chatcmpl-{}",
@@ -143,20 +152,28 @@ fn response_constraint(format: Option<&ResponseFormat>) -> Result<Option<Constra
     }
 }
 
-/// Appends to the first system message, or adds one.
-fn add_system_text(messages: &mut Vec<Message>, text: &str) {
-    match messages.first_mut() {
-        Some(Message::System(system)) => {
-            system.content = Content::Text(format!("{}\n\n{text}", system.content.text()));
-        }
-        _ => messages.insert(
-            0,
-            Message::System(SystemMessage {
-                content: Content::Text(text.to_string()),
-                name: None,
-            }),
-        ),
-    }
+/// `tool_choice: "required"` or a named function as a decoding constraint: the reply is then a
+/// call (of that function) with arguments valid against its schema.
+fn forced_tool_call(
+    request: &ChatCompletionRequest,
+    tools: Option<&[Tool]>,
+    format: Option<ToolCallFormat>,
+) -> Result<Option<Constraint>, ApiError> {
+    let choice = request.tool_choice.as_ref();
+    let (Some(tools), Some(format)) = (tools, format) else {
+        let forced =
+            choice.is_some_and(|c| c.as_str() != Some("none") && c.as_str() != Some("auto"));
+        return if forced {
+            Err(ApiError::invalid_param(
+                "tool_choice",
+                "tool_choice asks for a tool call but the request has no `tools`",
+            ))
+        } else {
+            Ok(None)
+        };
+    };
+    Constraint::from_tool_choice(tools, format, choice)
+        .map_err(|e| ApiError::invalid_param("tool_choice", e.to_string()))
 }
 
 /// OpenAI's sampling parameters, checked, as the engine takes them.

@@ -4,6 +4,7 @@
 //! sequences into micro-batches.
 
 use crate::engine::chat_template::{ChatTemplate, RenderOptions};
+use crate::engine::tool_calls::conversation_for_template;
 use crate::engine::Engine;
 use crate::types::{Message, MessageOrChoice, Tool, TrajectoryGroup};
 
@@ -98,12 +99,20 @@ impl<'e> Tokenization<'e> {
                 MessageOrChoice::Choice(c) => c.to_message(),
             })
             .collect();
+        // Rendered exactly as the server renders prompts (tools in the system prompt for
+        // templates without tool syntax), so training sees the context that was sampled from.
+        let conversation =
+            conversation_for_template(&messages, tools, self.template.tool_call_format());
         let rendered = if messages.is_empty() {
             None
         } else {
             Some(
                 self.template
-                    .render_with_turns(&messages, tools, &RenderOptions::default())
+                    .render_with_turns(
+                        &conversation.messages,
+                        conversation.tools,
+                        &RenderOptions::default(),
+                    )
                     .map_err(|error| TrainError::ChatTemplate { at: source, error })?,
             )
         };
@@ -112,7 +121,10 @@ impl<'e> Tokenization<'e> {
         let mut logprobs = Vec::new();
         let vocab = self.engine.config().vocab_size;
         for segment in rendered.as_ref().map(|r| r.segments()).unwrap_or_default() {
-            let choice = segment.assistant_message.and_then(|i| match &items[i] {
+            let original = segment
+                .assistant_message
+                .and_then(|i| i.checked_sub(conversation.inserted));
+            let choice = original.and_then(|i| match &items[i] {
                 MessageOrChoice::Choice(c) => Some((i, c)),
                 MessageOrChoice::Message(_) => None,
             });

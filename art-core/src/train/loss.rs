@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Tensor, D};
 
-use crate::engine::{Forward, LoraAdapter, Model};
+use crate::engine::{ops, Forward, LoraAdapter, Model};
 use crate::types::{ImportanceSamplingLevel, TrainConfig};
 
 use super::batch::TrainSequence;
@@ -72,6 +72,15 @@ impl MicroBatchLoss {
 /// Logprobs of `targets` (`[N]`) under `logits` (`[N, vocab]`), differentiable, plus the
 /// (detached) entropy of each row.
 fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    if ops::supported(logits) {
+        // One fused pass over the vocabulary forward and one backward, instead of a
+        // materialized log-softmax and its gradient.
+        let both = ops::target_logprob_entropy(logits, &targets.to_vec1::<u32>()?)?;
+        return Ok((
+            both.narrow(1, 0, 1)?.squeeze(1)?,
+            both.narrow(1, 1, 1)?.squeeze(1)?.detach(),
+        ));
+    }
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let shifted = logits.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;

@@ -1,0 +1,895 @@
+//! Fused CPU kernels, each with its backward pass, for the hot spots of LoRA training and of
+//! prefill: RMS norm, rotary embedding, causal softmax, and the log-probability (with the
+//! entropy) of a target token under a row of logits.
+//!
+//! candle builds these from many small ops (the differentiable softmax alone is five passes
+//! over the attention scores forward and more backward, the log-softmax over a 49k vocabulary
+//! ten passes over hundreds of megabytes), and its fused kernels have no backward. Here each
+//! is one parallel pass over rows (rayon), written for f32 and f64 (the trainer's gradient check
+//! runs in f64). Other devices and dtypes keep the composite candle paths; callers check
+//! [`supported`] first.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Result, Shape, Tensor,
+    WithDType,
+};
+use rayon::prelude::*;
+
+/// Whether the fused kernels run for tensors like `t` (CPU, f32 or f64, and not switched off
+/// with [`set_fused_ops`] or `ART_FUSED_OPS=0`).
+pub(crate) fn supported(t: &Tensor) -> bool {
+    fused_ops() && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+/// 0: not read from the environment yet, 1: off, 2: on.
+static FUSED: AtomicU8 = AtomicU8::new(0);
+
+fn fused_ops() -> bool {
+    match FUSED.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("ART_FUSED_OPS").map_or(true, |v| v != "0");
+            FUSED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+        state => state == 2,
+    }
+}
+
+/// Turns the fused CPU kernels on (the default) or off (candle's composite ops run instead,
+/// with the same results up to rounding). For benchmarks that measure the difference in one
+/// process, and for bisecting a numerical question; `ART_FUSED_OPS=0` sets the default.
+pub fn set_fused_ops(on: bool) {
+    FUSED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Runs candle's element-wise CPU ops on the calling thread unless `CANDLE_NUM_THREADS` says
+/// otherwise. candle 0.11 hands every large element-wise op to a pool whose caller spins until
+/// the other workers report back; those ops are memory-bound (a second core gains little), and
+/// when the machine is shared the caller spins for as long as a descheduled worker sleeps:
+/// on a loaded 2-core machine a fifth of a training step's CPU time went to that spin. Matrix
+/// products keep every core (they go through gemm's rayon pool, which `RAYON_NUM_THREADS`
+/// sizes). Takes effect only before candle's first element-wise op, so model loading calls it.
+pub(crate) fn configure_cpu_threads() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+            // Before any candle op: nothing else in the engine reads the environment
+            // concurrently with this.
+            std::env::set_var("CANDLE_NUM_THREADS", "1");
+        }
+    });
+}
+
+/// The float types the kernels are written for.
+pub(crate) trait Real:
+    WithDType + num_traits::Float + std::ops::AddAssign + std::ops::MulAssign + Send + Sync
+{
+    /// `xs[i] = exp(xs[i])`, vectorized where the type allows.
+    fn exp_in_place(xs: &mut [Self]);
+}
+
+impl Real for f32 {
+    fn exp_in_place(xs: &mut [f32]) {
+        for x in xs {
+            *x = exp_f32(*x);
+        }
+    }
+}
+
+impl Real for f64 {
+    fn exp_in_place(xs: &mut [f64]) {
+        for x in xs {
+            *x = x.exp();
+        }
+    }
+}
+
+/// `e^x` in f32, within ~2 ulp of the correctly rounded value for `x` in `[-87, 88]` (0 below,
+/// as far as a softmax is concerned: it returns the smallest normal number). Branch-free so that
+/// a loop over a slice vectorizes (libm's `expf` is a scalar call, and exponentials over the
+/// vocabulary are most of a log-softmax). Range reduction `x = n ln2 + r` with `|r| <= ln2/2`,
+/// then a degree-7 Taylor polynomial for `e^r` (truncation error below 6e-9) scaled by `2^n`.
+#[inline(always)]
+fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split in two so that n * LN2_HI is exact for |n| < 2^9.
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let mut p = 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    p * scale
+}
+
+const LANES: usize = 8;
+
+/// The maximum of `xs` (8 independent lanes, so that it vectorizes).
+#[inline]
+fn max_of<T: Real>(xs: &[T]) -> T {
+    let mut acc = [T::neg_infinity(); LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for i in 0..LANES {
+            acc[i] = if c[i] > acc[i] { c[i] } else { acc[i] };
+        }
+    }
+    let mut m = T::neg_infinity();
+    for &x in acc.iter().chain(chunks.remainder()) {
+        if x > m {
+            m = x;
+        }
+    }
+    m
+}
+
+#[inline]
+fn sum_of<T: Real>(xs: &[T]) -> T {
+    let mut acc = [T::zero(); LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for i in 0..LANES {
+            acc[i] += c[i];
+        }
+    }
+    let tail = chunks.remainder().iter().fold(T::zero(), |s, &x| s + x);
+    acc.iter().fold(tail, |s, &x| s + x)
+}
+
+#[inline]
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::zero(); LANES];
+    let mut ca = a.chunks_exact(LANES);
+    let mut cb = b.chunks_exact(LANES);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .fold(T::zero(), |s, (&x, &y)| s + x * y);
+    acc.iter().fold(tail, |s, &x| s + x)
+}
+
+fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [T]> {
+    let data = T::cpu_storage_as_slice(s)?;
+    match l.contiguous_offsets() {
+        Some((start, end)) => Ok(&data[start..end]),
+        None => Err(Error::Msg(format!("{what}: the input must be contiguous"))),
+    }
+}
+
+fn unsupported(what: &str, dtype: DType) -> Error {
+    Error::Msg(format!(
+        "{what}: no CPU kernel for {dtype:?} (f32 and f64 only)"
+    ))
+}
+
+/// Rows this small are not worth handing to another thread.
+fn min_rows(row_len: usize) -> usize {
+    (16 * 1024 / row_len.max(1)).max(1)
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMS norm
+
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension. `weight` (`[D]`) is frozen: it
+/// gets no gradient.
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    let weight = weight.to_dtype(x.dtype())?.contiguous()?;
+    x.apply_op2(&weight, RmsNorm { eps })
+}
+
+struct RmsNorm {
+    eps: f64,
+}
+
+impl RmsNorm {
+    fn run<T: Real>(&self, x: &[T], w: &[T]) -> Vec<T> {
+        let d = w.len();
+        let eps = T::from(self.eps).unwrap();
+        let inv_d = T::one() / T::from(d).unwrap();
+        let mut out = vec![T::zero(); x.len()];
+        out.par_chunks_mut(d)
+            .with_min_len(min_rows(d))
+            .zip(x.par_chunks(d))
+            .for_each(|(y, x)| {
+                let r = T::one() / (dot(x, x) * inv_d + eps).sqrt();
+                for i in 0..d {
+                    y[i] = x[i] * r * w[i];
+                }
+            });
+        out
+    }
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "art-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let shape = xl.shape().clone();
+        if wl.shape().dims() != [*shape.dims().last().unwrap_or(&0)] {
+            return Err(Error::Msg("rms norm: weight must be [hidden]".into()));
+        }
+        let out = match xs.dtype() {
+            DType::F32 => CpuStorage::F32(self.run::<f32>(
+                contiguous(xs, xl, "rms norm")?,
+                contiguous(ws, wl, "rms norm")?,
+            )),
+            DType::F64 => CpuStorage::F64(self.run::<f64>(
+                contiguous(xs, xl, "rms norm")?,
+                contiguous(ws, wl, "rms norm")?,
+            )),
+            d => return Err(unsupported("rms norm", d)),
+        };
+        Ok((out, shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let gx = x.apply_op3_no_bwd(w, &grad, &RmsNormGrad { eps: self.eps })?;
+        Ok((Some(gx), None))
+    }
+}
+
+/// `dx = r (w g) - x r^3 sum(w g x) / D` with `r = 1 / sqrt(mean(x^2) + eps)`.
+struct RmsNormGrad {
+    eps: f64,
+}
+
+impl RmsNormGrad {
+    fn run<T: Real>(&self, x: &[T], w: &[T], g: &[T]) -> Vec<T> {
+        let d = w.len();
+        let eps = T::from(self.eps).unwrap();
+        let inv_d = T::one() / T::from(d).unwrap();
+        let mut out = vec![T::zero(); x.len()];
+        out.par_chunks_mut(d)
+            .with_min_len(min_rows(d))
+            .zip(x.par_chunks(d).zip(g.par_chunks(d)))
+            .for_each(|(dx, (x, g))| {
+                let r = T::one() / (dot(x, x) * inv_d + eps).sqrt();
+                let mut wgx = T::zero();
+                for i in 0..d {
+                    wgx += w[i] * g[i] * x[i];
+                }
+                let c = r * r * r * wgx * inv_d;
+                for i in 0..d {
+                    dx[i] = r * w[i] * g[i] - x[i] * c;
+                }
+            });
+        out
+    }
+}
+
+impl CustomOp3 for RmsNormGrad {
+    fn name(&self) -> &'static str {
+        "art-rms-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let what = "rms norm backward";
+        let out = match xs.dtype() {
+            DType::F32 => CpuStorage::F32(self.run::<f32>(
+                contiguous(xs, xl, what)?,
+                contiguous(ws, wl, what)?,
+                contiguous(gs, gl, what)?,
+            )),
+            DType::F64 => CpuStorage::F64(self.run::<f64>(
+                contiguous(xs, xl, what)?,
+                contiguous(ws, wl, what)?,
+                contiguous(gs, gl, what)?,
+            )),
+            d => return Err(unsupported(what, d)),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary embedding
+
+/// Non-interleaved rotary embedding of `x` (`[B, H, L, hd]`) with `cos`, `sin` (`[B, L, hd/2]`):
+/// the two halves of each head rotate together. The tables get no gradient.
+pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    x.apply_op3(
+        &cos.to_dtype(x.dtype())?.contiguous()?,
+        &sin.to_dtype(x.dtype())?.contiguous()?,
+        Rope { inverse: false },
+    )
+}
+
+/// Rotation by `+angle` (forward) or `-angle` (its transpose, the backward pass).
+struct Rope {
+    inverse: bool,
+}
+
+impl Rope {
+    fn run<T: Real>(&self, x: &[T], dims: &[usize], cos: &[T], sin: &[T]) -> Result<Vec<T>> {
+        let [b, h, l, hd] = dims else {
+            return Err(Error::Msg("rope: x must be [B, H, L, head_dim]".into()));
+        };
+        let (b, h, l, hd) = (*b, *h, *l, *hd);
+        let half = hd / 2;
+        if hd % 2 != 0 || cos.len() != b * l * half || sin.len() != cos.len() {
+            return Err(Error::Msg(format!(
+                "rope: tables of {} values do not fit x {dims:?}",
+                cos.len()
+            )));
+        }
+        let mut out = vec![T::zero(); x.len()];
+        let sign = if self.inverse { -T::one() } else { T::one() };
+        // One chunk per (batch, head): L rows of hd.
+        out.par_chunks_mut(l * hd)
+            .zip(x.par_chunks(l * hd))
+            .enumerate()
+            .for_each(|(bh, (y, x))| {
+                let batch = bh / h;
+                for p in 0..l {
+                    let t = (batch * l + p) * half;
+                    let (c, s) = (&cos[t..t + half], &sin[t..t + half]);
+                    let (x, y) = (&x[p * hd..(p + 1) * hd], &mut y[p * hd..(p + 1) * hd]);
+                    for i in 0..half {
+                        let (x1, x2) = (x[i], x[i + half]);
+                        let s = s[i] * sign;
+                        y[i] = x1 * c[i] - x2 * s;
+                        y[i + half] = x2 * c[i] + x1 * s;
+                    }
+                }
+            });
+        Ok(out)
+    }
+}
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "art-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        cs: &CpuStorage,
+        cl: &Layout,
+        ss: &CpuStorage,
+        sl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = xl.shape().dims();
+        let out = match xs.dtype() {
+            DType::F32 => CpuStorage::F32(self.run::<f32>(
+                contiguous(xs, xl, "rope")?,
+                dims,
+                contiguous(cs, cl, "rope")?,
+                contiguous(ss, sl, "rope")?,
+            )?),
+            DType::F64 => CpuStorage::F64(self.run::<f64>(
+                contiguous(xs, xl, "rope")?,
+                dims,
+                contiguous(cs, cl, "rope")?,
+                contiguous(ss, sl, "rope")?,
+            )?),
+            d => return Err(unsupported("rope", d)),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let inverse = Rope {
+            inverse: !self.inverse,
+        };
+        let gx = grad.contiguous()?.apply_op3_no_bwd(cos, sin, &inverse)?;
+        Ok((Some(gx), None, None))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal softmax
+
+/// Softmax over the last dimension of attention scores `[..., R, T]` with a causal mask: row `r`
+/// holds query `r % queries` (grouped-query attention stacks `R / queries` heads' queries) at
+/// position `offset + r % queries`, which sees keys `0..=offset + r % queries`. Masked
+/// probabilities are exactly 0. Without a mask (one query per row that sees every key), pass
+/// `queries = 1, offset = T - 1`.
+pub(crate) fn causal_softmax(scores: &Tensor, queries: usize, offset: usize) -> Result<Tensor> {
+    scores
+        .contiguous()?
+        .apply_op1(CausalSoftmax { queries, offset })
+}
+
+struct CausalSoftmax {
+    queries: usize,
+    offset: usize,
+}
+
+impl CausalSoftmax {
+    fn run<T: Real>(&self, x: &[T], dims: &[usize]) -> Result<Vec<T>> {
+        let (rows_per_block, t) = match dims {
+            [.., r, t] => (*r, *t),
+            _ => {
+                return Err(Error::Msg(
+                    "causal softmax: scores must be [..., R, T]".into(),
+                ))
+            }
+        };
+        if self.queries == 0 || rows_per_block % self.queries != 0 {
+            return Err(Error::Msg(format!(
+                "causal softmax: {rows_per_block} rows are not a multiple of {} queries",
+                self.queries
+            )));
+        }
+        let mut out = vec![T::zero(); x.len()];
+        out.par_chunks_mut(t)
+            .with_min_len(min_rows(t))
+            .zip(x.par_chunks(t))
+            .enumerate()
+            .for_each(|(row, (y, x))| {
+                let q = row % rows_per_block % self.queries;
+                let seen = (self.offset + q + 1).min(t);
+                let (y, x) = (&mut y[..seen], &x[..seen]);
+                let m = max_of(x);
+                for (y, &x) in y.iter_mut().zip(x) {
+                    *y = x - m;
+                }
+                T::exp_in_place(y);
+                let inv = T::one() / sum_of(y);
+                for y in y.iter_mut() {
+                    *y *= inv;
+                }
+            });
+        Ok(out)
+    }
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "art-causal-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let dims = l.shape().dims();
+        let out = match s.dtype() {
+            DType::F32 => {
+                CpuStorage::F32(self.run::<f32>(contiguous(s, l, "causal softmax")?, dims)?)
+            }
+            DType::F64 => {
+                CpuStorage::F64(self.run::<f64>(contiguous(s, l, "causal softmax")?, dims)?)
+            }
+            d => return Err(unsupported("causal softmax", d)),
+        };
+        Ok((out, l.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(
+            res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad)?,
+        ))
+    }
+}
+
+/// `dx = p * (g - sum(p g))` per row.
+struct SoftmaxGrad;
+
+impl SoftmaxGrad {
+    fn run<T: Real>(p: &[T], g: &[T], t: usize) -> Vec<T> {
+        let mut out = vec![T::zero(); p.len()];
+        out.par_chunks_mut(t)
+            .with_min_len(min_rows(t))
+            .zip(p.par_chunks(t).zip(g.par_chunks(t)))
+            .for_each(|(dx, (p, g))| {
+                let s = dot(p, g);
+                for i in 0..t {
+                    dx[i] = p[i] * (g[i] - s);
+                }
+            });
+        out
+    }
+}
+
+impl CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "art-softmax-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ps: &CpuStorage,
+        pl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let t = *pl.shape().dims().last().unwrap_or(&1);
+        let what = "softmax backward";
+        let out = match ps.dtype() {
+            DType::F32 => CpuStorage::F32(Self::run::<f32>(
+                contiguous(ps, pl, what)?,
+                contiguous(gs, gl, what)?,
+                t,
+            )),
+            DType::F64 => CpuStorage::F64(Self::run::<f64>(
+                contiguous(ps, pl, what)?,
+                contiguous(gs, gl, what)?,
+                t,
+            )),
+            d => return Err(unsupported(what, d)),
+        };
+        Ok((out, pl.shape().clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Target log-probability and entropy
+
+/// For logits `[N, V]` and one target per row: `[N, 2]` holding `log softmax(logits)[target]`
+/// and the entropy of `softmax(logits)`, both differentiable, without materializing the
+/// log-softmax: a forward pass reads each row twice, the backward writes the gradient once.
+pub(crate) fn target_logprob_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    logits.contiguous()?.apply_op1(TargetLogprob {
+        targets: Arc::new(targets.to_vec()),
+    })
+}
+
+struct TargetLogprob {
+    targets: Arc<Vec<u32>>,
+}
+
+/// `(max, sum exp(x - max), sum exp(x - max) x)` of one row, using `buf` as scratch.
+fn row_stats<T: Real>(x: &[T], buf: &mut Vec<T>) -> (T, T, T) {
+    let m = max_of(x);
+    buf.clear();
+    buf.extend(x.iter().map(|&x| x - m));
+    T::exp_in_place(buf);
+    (m, sum_of(buf), dot(buf, x))
+}
+
+impl TargetLogprob {
+    fn run<T: Real>(&self, x: &[T], v: usize) -> Result<Vec<T>> {
+        let n = self.targets.len();
+        if x.len() != n * v {
+            return Err(Error::Msg(format!(
+                "target logprob: {} logits for {n} targets of a {v}-token vocabulary",
+                x.len()
+            )));
+        }
+        if let Some(&bad) = self.targets.iter().find(|&&t| t as usize >= v) {
+            return Err(Error::Msg(format!(
+                "target logprob: target {bad} outside a vocabulary of {v}"
+            )));
+        }
+        let mut out = vec![T::zero(); 2 * n];
+        out.par_chunks_mut(2)
+            .zip(x.par_chunks(v))
+            .zip(self.targets.par_iter())
+            .for_each_init(Vec::new, |buf, ((o, x), &target)| {
+                let (m, s, sx) = row_stats(x, buf);
+                let lse = m + s.ln();
+                o[0] = x[target as usize] - lse;
+                o[1] = lse - sx / s;
+            });
+        Ok(out)
+    }
+}
+
+impl CustomOp1 for TargetLogprob {
+    fn name(&self) -> &'static str {
+        "art-target-logprob"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = l.shape().dims2()?;
+        let out = match s.dtype() {
+            DType::F32 => CpuStorage::F32(self.run::<f32>(contiguous(s, l, "target logprob")?, v)?),
+            DType::F64 => CpuStorage::F64(self.run::<f64>(contiguous(s, l, "target logprob")?, v)?),
+            d => return Err(unsupported("target logprob", d)),
+        };
+        Ok((out, Shape::from((n, 2))))
+    }
+
+    fn bwd(&self, logits: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let op = TargetLogprobGrad {
+            targets: self.targets.clone(),
+        };
+        Ok(Some(logits.apply_op3_no_bwd(
+            res,
+            &grad.contiguous()?,
+            &op,
+        )?))
+    }
+}
+
+/// With `p = softmax(x)`, `E = sum p x` and `lse` recovered from the forward's outputs:
+/// `d logprob / dx_j = [j = target] - p_j` and `d entropy / dx_j = -p_j (x_j - E)`.
+struct TargetLogprobGrad {
+    targets: Arc<Vec<u32>>,
+}
+
+impl TargetLogprobGrad {
+    fn run<T: Real>(&self, x: &[T], res: &[T], g: &[T], v: usize) -> Vec<T> {
+        let mut out = vec![T::zero(); x.len()];
+        out.par_chunks_mut(v)
+            .zip(x.par_chunks(v))
+            .zip(res.par_chunks(2).zip(g.par_chunks(2)))
+            .zip(self.targets.par_iter())
+            .for_each(|(((dx, x), (r, g)), &target)| {
+                let target = target as usize;
+                let lse = x[target] - r[0];
+                let mean = lse - r[1];
+                for (d, &x) in dx.iter_mut().zip(x) {
+                    *d = x - lse;
+                }
+                T::exp_in_place(dx);
+                let (g0, g1) = (g[0], g[1]);
+                if g1 == T::zero() {
+                    for d in dx.iter_mut() {
+                        *d = -g0 * *d;
+                    }
+                } else {
+                    for (d, &x) in dx.iter_mut().zip(x) {
+                        *d = -*d * (g0 + g1 * (x - mean));
+                    }
+                }
+                dx[target] += g0;
+            });
+        out
+    }
+}
+
+impl CustomOp3 for TargetLogprobGrad {
+    fn name(&self) -> &'static str {
+        "art-target-logprob-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        rs: &CpuStorage,
+        rl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (_, v) = xl.shape().dims2()?;
+        let what = "target logprob backward";
+        let out = match xs.dtype() {
+            DType::F32 => CpuStorage::F32(self.run::<f32>(
+                contiguous(xs, xl, what)?,
+                contiguous(rs, rl, what)?,
+                contiguous(gs, gl, what)?,
+                v,
+            )),
+            DType::F64 => CpuStorage::F64(self.run::<f64>(
+                contiguous(xs, xl, what)?,
+                contiguous(rs, rl, what)?,
+                contiguous(gs, gl, what)?,
+                v,
+            )),
+            d => return Err(unsupported(what, d)),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    fn randn(shape: &[usize], seed: u64, dtype: DType) -> Tensor {
+        let n: usize = shape.iter().product();
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let v: Vec<f64> = (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 10_000) as f64 / 2_500.0 - 2.0
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    #[test]
+    fn fast_exp_is_within_a_few_ulp() {
+        let mut worst = 0f64;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = f64::from(x).exp();
+            let got = f64::from(exp_f32(x));
+            worst = worst.max(((got - want) / want).abs());
+            x += 0.001_3;
+        }
+        assert!(
+            worst < 4.0 * f64::from(f32::EPSILON),
+            "worst relative error {worst}"
+        );
+        assert_eq!(exp_f32(0.0), 1.0);
+        assert!(exp_f32(f32::NEG_INFINITY) < 1e-37);
+    }
+
+    /// Forward against candle's composite ops, backward against candle's autograd of them, for
+    /// a scalar loss `sum(out * w)` with random `w`.
+    fn check(
+        fused: impl Fn(&Tensor) -> Tensor,
+        reference: impl Fn(&Tensor) -> Tensor,
+        shape: &[usize],
+        tol: f64,
+    ) {
+        for dtype in [DType::F64, DType::F32] {
+            let x = Var::from_tensor(&randn(shape, 1, dtype)).unwrap();
+            let (a, b) = (fused(x.as_tensor()), reference(x.as_tensor()));
+            assert!(
+                max_diff(&a, &b) < tol,
+                "{dtype:?} forward: {}",
+                max_diff(&a, &b)
+            );
+            let w = randn(a.dims(), 2, dtype);
+            let ga = (a * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let gb = (b * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let (ga, gb) = (ga.get(&x).unwrap(), gb.get(&x).unwrap());
+            assert!(
+                max_diff(ga, gb) < tol,
+                "{dtype:?} backward: {}",
+                max_diff(ga, gb)
+            );
+        }
+    }
+
+    #[test]
+    fn rms_norm_matches_the_composite_ops() {
+        let w = randn(&[24], 3, DType::F64);
+        check(
+            |x| rms_norm(x, &w, 1e-5).unwrap(),
+            |x| candle_nn::ops::rms_norm_slow(x, &w.to_dtype(x.dtype()).unwrap(), 1e-5).unwrap(),
+            &[3, 5, 24],
+            1e-5,
+        );
+    }
+
+    #[test]
+    fn rope_matches_the_composite_ops() {
+        let (b, h, l, hd) = (2, 3, 5, 8);
+        let cos = randn(&[b, l, hd / 2], 4, DType::F64);
+        let sin = randn(&[b, l, hd / 2], 5, DType::F64);
+        check(
+            |x| rope(x, &cos, &sin).unwrap(),
+            |x| {
+                let cos = Tensor::cat(&[&cos, &cos], D::Minus1)
+                    .unwrap()
+                    .unsqueeze(1)
+                    .unwrap();
+                let sin = Tensor::cat(&[&sin, &sin], D::Minus1)
+                    .unwrap()
+                    .unsqueeze(1)
+                    .unwrap();
+                let (cos, sin) = (
+                    cos.to_dtype(x.dtype()).unwrap(),
+                    sin.to_dtype(x.dtype()).unwrap(),
+                );
+                let x1 = x.narrow(D::Minus1, 0, hd / 2).unwrap();
+                let x2 = x.narrow(D::Minus1, hd / 2, hd / 2).unwrap();
+                let rotated = Tensor::cat(&[&x2.neg().unwrap(), &x1], D::Minus1).unwrap();
+                (x.broadcast_mul(&cos).unwrap() + rotated.broadcast_mul(&sin).unwrap()).unwrap()
+            },
+            &[b, h, l, hd],
+            1e-5,
+        );
+    }
+
+    #[test]
+    fn causal_softmax_matches_masked_softmax() {
+        // 2 heads' queries stacked per row block, 3 queries at offset 2, 5 keys.
+        let (rep, l, offset) = (2, 3, 2);
+        let t = offset + l;
+        let mask: Vec<f64> = (0..rep * l)
+            .flat_map(|r| {
+                (0..t).map(move |k| {
+                    if k <= offset + r % l {
+                        0.0
+                    } else {
+                        f64::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (rep * l, t), &Device::Cpu).unwrap();
+        check(
+            |x| causal_softmax(x, l, offset).unwrap(),
+            |x| {
+                let m = mask.to_dtype(x.dtype()).unwrap();
+                candle_nn::ops::softmax(&x.broadcast_add(&m).unwrap(), D::Minus1).unwrap()
+            },
+            &[2, 2, rep * l, t],
+            1e-5,
+        );
+    }
+
+    #[test]
+    fn target_logprob_and_entropy_match_log_softmax() {
+        let targets = [3u32, 0, 6, 2];
+        let idx = Tensor::new(&targets, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(1)
+            .unwrap();
+        check(
+            |x| target_logprob_entropy(x, &targets).unwrap(),
+            |x| {
+                let lsm = candle_nn::ops::log_softmax(x, D::Minus1).unwrap();
+                let lp = lsm.gather(&idx, 1).unwrap();
+                let ent = (lsm.exp().unwrap() * &lsm)
+                    .unwrap()
+                    .sum_keepdim(1)
+                    .unwrap()
+                    .neg()
+                    .unwrap();
+                Tensor::cat(&[lp, ent], 1).unwrap()
+            },
+            &[4, 7],
+            1e-5,
+        );
+    }
+}
