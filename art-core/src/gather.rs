@@ -252,7 +252,7 @@ pub async fn gather_trajectory_groups<'a>(
         groups_done: 0,
         reward_mean: None,
     };
-    let bar = progress_bar(&options, total);
+    let bar = Reporter::new(&options, total);
     let mut reward_sum = 0.0;
     let mut finished: Vec<Option<TrajectoryGroup>> = (0..slots.len()).map(|_| None).collect();
 
@@ -309,7 +309,7 @@ pub async fn gather_trajectory_groups<'a>(
                 let succeeded = progress.done - progress.exceptions;
                 progress.reward_mean = (succeeded > 0).then(|| reward_sum / succeeded as f64);
                 if progress.exceptions > allowed {
-                    bar.abandon_with_message("too many failed rollouts");
+                    bar.abandon(&progress, "too many failed rollouts");
                     let first = slots.iter().flat_map(|s| &s.exceptions).next().map(|e| e.message.clone());
                     return Err(GatherError::TooManyExceptions {
                         count: progress.exceptions,
@@ -320,16 +320,16 @@ pub async fn gather_trajectory_groups<'a>(
                 if slots[group].remaining == 0 {
                     hooks.push(finish_group(group, slots[group].take(), options.after_each.as_ref()));
                 }
-                report(&bar, &options, &progress);
+                bar.report(&options, &progress);
             }
             Some((group, result)) = hooks.next(), if !hooks.is_empty() => {
                 finished[group] = result?;
                 progress.groups_done += 1;
-                report(&bar, &options, &progress);
+                bar.report(&options, &progress);
             }
         }
     }
-    bar.finish();
+    bar.finish(&progress);
     Ok(finished.into_iter().flatten().collect())
 }
 
@@ -368,30 +368,63 @@ async fn finish_group(
     (index, result)
 }
 
-fn progress_bar(options: &GatherOptions<'_>, total: usize) -> ProgressBar {
-    if !options.progress_bar {
-        return ProgressBar::hidden();
-    }
-    let bar = ProgressBar::new(total as u64);
-    let style =
-        ProgressStyle::with_template("{prefix} {wide_bar} {pos}/{len} [{elapsed_precise}] {msg}")
-            .expect("the progress template is valid");
-    bar.set_style(style);
-    bar.set_prefix(options.description.clone());
-    bar
+/// Shows progress: a terminal bar on stderr, or a live output in the ART notebook kernel.
+enum Reporter {
+    Bar(ProgressBar),
+    Notebook(crate::display::GatherProgressView),
 }
 
-fn report(bar: &ProgressBar, options: &GatherOptions<'_>, progress: &GatherProgress) {
-    bar.set_position(progress.done as u64);
-    let reward = progress
-        .reward_mean
-        .map_or("-".to_string(), |r| format!("{r:.3}"));
-    bar.set_message(format!(
-        "reward={reward} exceptions={}",
-        progress.exceptions
-    ));
-    if let Some(hook) = &options.on_progress {
-        hook(progress);
+impl Reporter {
+    fn new(options: &GatherOptions<'_>, total: usize) -> Self {
+        if !options.progress_bar {
+            return Reporter::Bar(ProgressBar::hidden());
+        }
+        if crate::display::in_kernel() {
+            return Reporter::Notebook(crate::display::GatherProgressView::new(
+                options.description.clone(),
+            ));
+        }
+        let bar = ProgressBar::new(total as u64);
+        let style = ProgressStyle::with_template(
+            "{prefix} {wide_bar} {pos}/{len} [{elapsed_precise}] {msg}",
+        )
+        .expect("the progress template is valid");
+        bar.set_style(style);
+        bar.set_prefix(options.description.clone());
+        Reporter::Bar(bar)
+    }
+
+    fn report(&self, options: &GatherOptions<'_>, progress: &GatherProgress) {
+        match self {
+            Reporter::Bar(bar) => {
+                bar.set_position(progress.done as u64);
+                let reward = progress
+                    .reward_mean
+                    .map_or("-".to_string(), |r| format!("{r:.3}"));
+                bar.set_message(format!(
+                    "reward={reward} exceptions={}",
+                    progress.exceptions
+                ));
+            }
+            Reporter::Notebook(view) => view.update(progress),
+        }
+        if let Some(hook) = &options.on_progress {
+            hook(progress);
+        }
+    }
+
+    fn abandon(&self, progress: &GatherProgress, why: &str) {
+        match self {
+            Reporter::Bar(bar) => bar.abandon_with_message(why.to_string()),
+            Reporter::Notebook(view) => view.finish(progress, Some(why)),
+        }
+    }
+
+    fn finish(&self, progress: &GatherProgress) {
+        match self {
+            Reporter::Bar(bar) => bar.finish(),
+            Reporter::Notebook(view) => view.update(progress),
+        }
     }
 }
 

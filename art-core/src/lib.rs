@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod client;
+pub mod display;
 #[cfg(feature = "frames")]
 pub mod frames;
 pub mod fsutil;

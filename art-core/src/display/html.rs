@@ -1,0 +1,687 @@
+//! HTML views of trajectories and groups: a chat transcript with roles, tool calls and results,
+//! reward and metric badges; a group as transcripts side by side with the shared beginning shown
+//! once and RULER's explanations on top.
+//!
+//! Colours are translucent tints over whatever background the front end has, text inherits its
+//! colour, and borders and fonts come from JupyterLab's CSS variables when present: the same HTML
+//! reads well in JupyterLab, VS Code and classic notebooks, light or dark.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
+
+use super::{MimeBundle, Render};
+use crate::ruler::common_prefix_len;
+use crate::types::{
+    Content, ContentPart, Message, MessageOrChoice, MetadataValue, MetricValue, Tool, Trajectory,
+    TrajectoryGroup,
+};
+
+/// The style sheet every view carries (scoped to `.art-root`).
+pub const STYLE: &str = r#"<style>
+.art-root{--art-border:var(--jp-border-color2,rgba(127,127,127,.3));--art-muted:var(--jp-content-font-color2,rgba(127,127,127,1));--art-user:#3b82f6;--art-assistant:#10b981;--art-system:#8b5cf6;--art-tool:#d97706;--art-good:#16a34a;--art-bad:#dc2626;font-family:var(--jp-ui-font-family,system-ui,-apple-system,"Segoe UI",Roboto,sans-serif);font-size:13px;line-height:1.45;color:inherit;max-width:100%;text-align:left}
+.art-root *{box-sizing:border-box}
+.art-card{border:1px solid var(--art-border);border-radius:8px;padding:10px 12px;margin:4px 0}
+.art-head{display:flex;flex-wrap:wrap;align-items:center;gap:6px;margin-bottom:6px}
+.art-title{font-weight:600;margin-right:4px}
+.art-badge{display:inline-flex;align-items:baseline;gap:4px;padding:1px 8px;border-radius:999px;font-size:12px;border:1px solid var(--art-border);background:rgba(127,127,127,.08);white-space:nowrap}
+.art-badge b{font-weight:650}
+.art-chip{font-size:12px;color:var(--art-muted);white-space:nowrap}
+.art-chip code{font-size:11.5px}
+.art-msg{--art-c:var(--art-muted);border-left:3px solid var(--art-c);padding:3px 10px 5px;margin:6px 0;background:rgba(127,127,127,.05);border-radius:0 6px 6px 0}
+.art-msg.art-user{--art-c:var(--art-user)}
+.art-msg.art-assistant{--art-c:var(--art-assistant)}
+.art-msg.art-system{--art-c:var(--art-system)}
+.art-msg.art-tool{--art-c:var(--art-tool)}
+.art-role{font-size:11px;font-weight:650;text-transform:uppercase;letter-spacing:.04em;color:var(--art-c);display:flex;flex-wrap:wrap;gap:6px;align-items:baseline}
+.art-role .art-tag{font-weight:400;text-transform:none;letter-spacing:0;color:var(--art-muted)}
+.art-text{white-space:pre-wrap;overflow-wrap:anywhere;max-height:28em;overflow:auto;margin-top:2px}
+.art-empty{color:var(--art-muted);font-style:italic}
+.art-code{font-family:var(--jp-code-font-family,ui-monospace,SFMono-Regular,Menlo,Consolas,monospace);font-size:12px}
+.art-call{background:rgba(127,127,127,.10);border-radius:4px;padding:4px 8px;margin-top:4px;white-space:pre-wrap;overflow-wrap:anywhere;max-height:20em;overflow:auto}
+.art-fn{font-weight:650;color:var(--art-tool)}
+.art-note{font-size:12.5px;border-radius:6px;padding:5px 9px;background:rgba(139,92,246,.10);border:1px solid rgba(139,92,246,.25);margin:6px 0}
+.art-note b{color:var(--art-system)}
+.art-err{font-size:12.5px;border-radius:6px;padding:5px 9px;background:rgba(220,38,38,.08);border:1px solid rgba(220,38,38,.3);margin:6px 0;white-space:pre-wrap}
+details.art-more{margin:4px 0}
+details.art-more>summary{cursor:pointer;color:var(--art-muted);font-size:12px}
+details.art-msg>summary{cursor:pointer;list-style-position:inside}
+.art-cols{display:grid;gap:10px;overflow-x:auto;grid-auto-flow:column;grid-auto-columns:minmax(300px,1fr);padding-bottom:4px}
+.art-col{border:1px solid var(--art-border);border-radius:8px;padding:8px 10px;min-width:0}
+.art-col.art-best{border-color:var(--art-good);box-shadow:inset 0 0 0 1px var(--art-good)}
+.art-bar{height:6px;border-radius:3px;background:rgba(127,127,127,.2);overflow:hidden;margin:4px 0}
+.art-bar>span{display:block;height:100%;border-radius:3px}
+.art-progress{min-width:320px;max-width:640px}
+.art-img{max-width:260px;max-height:200px;border-radius:4px;margin-top:4px}
+</style>"#;
+
+/// Escapes text for HTML element content and attribute values.
+pub fn escape_html(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+/// The text of some HTML, tags dropped and the common entities decoded (a plain-text fallback).
+pub(crate) fn strip_tags(html: &str) -> String {
+    let mut out = String::with_capacity(html.len());
+    let mut in_tag = false;
+    for c in html.chars() {
+        match c {
+            '<' => in_tag = true,
+            '>' if in_tag => in_tag = false,
+            _ if !in_tag => out.push(c),
+            _ => {}
+        }
+    }
+    out.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&#39;", "'")
+        .replace("&amp;", "&")
+}
+
+/// A hue from red (worst) to green (best) for a reward within `[lo, hi]`; blue when there is no
+/// spread to compare against.
+fn reward_hue(reward: f64, lo: f64, hi: f64) -> Option<f64> {
+    (hi > lo && reward.is_finite()).then(|| ((reward - lo) / (hi - lo)).clamp(0.0, 1.0) * 130.0)
+}
+
+fn reward_badge(label: &str, reward: f64, lo: f64, hi: f64) -> String {
+    let style = match reward_hue(reward, lo, hi) {
+        Some(h) => {
+            format!("background:hsla({h:.0},70%,45%,.18);border-color:hsla({h:.0},70%,45%,.55)")
+        }
+        None => "background:rgba(59,130,246,.14);border-color:rgba(59,130,246,.5)".to_string(),
+    };
+    format!(
+        r#"<span class="art-badge" style="{style}">{} <b>{}</b></span>"#,
+        escape_html(label),
+        format_number(reward)
+    )
+}
+
+/// A number for people: integers plain, others with 3 significant decimals.
+pub(crate) fn format_number(value: f64) -> String {
+    if value.fract() == 0.0 && value.abs() < 1e15 {
+        format!("{value:.0}")
+    } else if value.abs() >= 100.0 {
+        format!("{value:.1}")
+    } else {
+        let text = format!("{value:.3}");
+        text.trim_end_matches('0').trim_end_matches('.').to_string()
+    }
+}
+
+fn format_metric(value: &MetricValue) -> String {
+    match value {
+        MetricValue::Bool(true) => "✓".to_string(),
+        MetricValue::Bool(false) => "✗".to_string(),
+        MetricValue::Int(i) => i.to_string(),
+        MetricValue::Float(f) => format_number(*f),
+    }
+}
+
+fn format_metadata(value: &MetadataValue) -> String {
+    match value {
+        MetadataValue::Null => "null".to_string(),
+        MetadataValue::Bool(b) => b.to_string(),
+        MetadataValue::Int(i) => i.to_string(),
+        MetadataValue::Float(f) => format_number(*f),
+        MetadataValue::Text(t) => t.clone(),
+    }
+}
+
+fn metric_badges(metrics: &BTreeMap<String, MetricValue>, skip: &[&str]) -> String {
+    let mut out = String::new();
+    for (name, value) in metrics.iter().filter(|(k, _)| !skip.contains(&k.as_str())) {
+        let _ = write!(
+            out,
+            r#"<span class="art-badge">{} <b>{}</b></span>"#,
+            escape_html(name),
+            escape_html(&format_metric(value))
+        );
+    }
+    out
+}
+
+fn metadata_chips(metadata: &BTreeMap<String, MetadataValue>) -> String {
+    let mut out = String::new();
+    for (name, value) in metadata {
+        let _ = write!(
+            out,
+            r#"<span class="art-chip">{}=<code>{}</code></span>"#,
+            escape_html(name),
+            escape_html(&format_metadata(value))
+        );
+    }
+    out
+}
+
+const RULER_PREFIX: &str = "RULER explanation: ";
+
+/// The RULER explanation in a trajectory's logs, if it was judged.
+fn ruler_explanation(trajectory: &Trajectory) -> Option<&str> {
+    trajectory
+        .logs
+        .iter()
+        .rev()
+        .find_map(|line| line.strip_prefix(RULER_PREFIX))
+}
+
+fn content_html(content: &Content) -> String {
+    match content {
+        Content::Text(text) => text_block(text),
+        Content::Parts(parts) => {
+            let mut out = String::new();
+            for part in parts {
+                match part {
+                    ContentPart::Text { text } => out.push_str(&text_block(text)),
+                    ContentPart::Refusal { refusal } => {
+                        let _ = write!(
+                            out,
+                            r#"<div class="art-err">refused: {}</div>"#,
+                            escape_html(refusal)
+                        );
+                    }
+                    ContentPart::ImageUrl { image_url } => {
+                        let _ = write!(
+                            out,
+                            r#"<img class="art-img" src="{}" alt="image">"#,
+                            escape_html(&image_url.url)
+                        );
+                    }
+                    ContentPart::Other(value) => {
+                        let kind = value.get("type").and_then(|t| t.as_str()).unwrap_or("part");
+                        let _ = write!(
+                            out,
+                            r#"<div class="art-empty">[{} part]</div>"#,
+                            escape_html(kind)
+                        );
+                    }
+                }
+            }
+            out
+        }
+    }
+}
+
+fn text_block(text: &str) -> String {
+    if text.trim().is_empty() {
+        r#"<div class="art-text art-empty">(empty)</div>"#.to_string()
+    } else {
+        format!(r#"<div class="art-text">{}</div>"#, escape_html(text))
+    }
+}
+
+fn pretty_arguments(arguments: &str) -> String {
+    serde_json::from_str::<serde_json::Value>(arguments)
+        .ok()
+        .and_then(|v| serde_json::to_string_pretty(&v).ok())
+        .unwrap_or_else(|| arguments.to_string())
+}
+
+/// One conversation item as HTML. `tool_names` maps tool call ids to function names seen so far.
+fn item_html(item: &MessageOrChoice, tool_names: &mut HashMap<String, String>) -> String {
+    let (message, sampled) = match item {
+        MessageOrChoice::Message(message) => (message.clone(), None),
+        MessageOrChoice::Choice(choice) => (choice.to_message(), Some(choice)),
+    };
+    let mut out = String::new();
+    match &message {
+        Message::System(m) | Message::Developer(m) => {
+            let text = m.content.text();
+            let preview: String = text.chars().take(90).collect();
+            let ellipsis = if text.chars().count() > 90 { "…" } else { "" };
+            let _ = write!(
+                out,
+                r#"<details class="art-msg art-system"><summary class="art-role">{}<span class="art-tag">{}{}</span></summary>{}</details>"#,
+                message.role(),
+                escape_html(&preview.replace('\n', " ")),
+                ellipsis,
+                content_html(&m.content)
+            );
+        }
+        Message::User(m) => {
+            let _ = write!(
+                out,
+                r#"<div class="art-msg art-user"><div class="art-role">user</div>{}</div>"#,
+                content_html(&m.content)
+            );
+        }
+        Message::Assistant(m) => {
+            let mut tag = String::new();
+            if let Some(choice) = sampled {
+                tag.push_str("sampled");
+                let tokens = choice
+                    .sampled_token_ids()
+                    .map(|ids| ids.len())
+                    .or_else(|| choice.sampled_logprobs().map(|l| l.len()));
+                if let Some(n) = tokens.filter(|&n| n > 0) {
+                    let _ = write!(tag, " · {n} tokens");
+                }
+                if let Some(reason) = &choice.finish_reason {
+                    let _ = write!(tag, " · {}", escape_html(reason));
+                }
+            }
+            let _ = write!(
+                out,
+                r#"<div class="art-msg art-assistant"><div class="art-role">assistant<span class="art-tag">{tag}</span></div>"#
+            );
+            match &m.content {
+                Some(content) if !content.text().is_empty() || m.tool_calls.is_empty() => {
+                    out.push_str(&content_html(content))
+                }
+                None if m.tool_calls.is_empty() => out.push_str(&text_block("")),
+                _ => {}
+            }
+            if let Some(refusal) = &m.refusal {
+                let _ = write!(
+                    out,
+                    r#"<div class="art-err">refused: {}</div>"#,
+                    escape_html(refusal)
+                );
+            }
+            for call in &m.tool_calls {
+                tool_names.insert(call.id.clone(), call.function.name.clone());
+                let _ = write!(
+                    out,
+                    r#"<div class="art-call art-code"><span class="art-fn">{}</span>(<span class="art-chip">{}</span>)
+{}</div>"#,
+                    escape_html(&call.function.name),
+                    escape_html(&call.id),
+                    escape_html(&pretty_arguments(&call.function.arguments))
+                );
+            }
+            out.push_str("</div>");
+        }
+        Message::Tool(m) => {
+            let name = tool_names
+                .get(&m.tool_call_id)
+                .map(|n| format!("{} · ", escape_html(n)))
+                .unwrap_or_default();
+            let _ = write!(
+                out,
+                r#"<div class="art-msg art-tool"><div class="art-role">tool result<span class="art-tag">{name}{}</span></div><div class="art-call art-code">{}</div></div>"#,
+                escape_html(&m.tool_call_id),
+                escape_html(&pretty_arguments(&m.content.text()))
+            );
+        }
+    }
+    out
+}
+
+fn items_html(items: &[MessageOrChoice], tool_names: &mut HashMap<String, String>) -> String {
+    items
+        .iter()
+        .map(|item| item_html(item, tool_names))
+        .collect()
+}
+
+fn tools_html(tools: Option<&[Tool]>) -> String {
+    let Some(tools) = tools.filter(|t| !t.is_empty()) else {
+        return String::new();
+    };
+    let mut out = format!(
+        r#"<details class="art-more"><summary>tools ({})</summary>"#,
+        tools.len()
+    );
+    for tool in tools {
+        let params = tool
+            .function
+            .parameters
+            .as_ref()
+            .and_then(|p| serde_json::to_string_pretty(p).ok())
+            .unwrap_or_default();
+        let _ = write!(
+            out,
+            r#"<div class="art-call art-code"><span class="art-fn">{}</span> {}
+{}</div>"#,
+            escape_html(&tool.function.name),
+            escape_html(tool.function.description.as_deref().unwrap_or("")),
+            escape_html(&params)
+        );
+    }
+    out.push_str("</details>");
+    out
+}
+
+fn logs_html(logs: &[String]) -> String {
+    let logs: Vec<&String> = logs
+        .iter()
+        .filter(|l| !l.starts_with(RULER_PREFIX))
+        .collect();
+    if logs.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        r#"<details class="art-more"><summary>logs ({})</summary><div class="art-call art-code">"#,
+        logs.len()
+    );
+    for line in logs {
+        out.push_str(&escape_html(line));
+        out.push('\n');
+    }
+    out.push_str("</div></details>");
+    out
+}
+
+fn ruler_note(trajectory: &Trajectory) -> String {
+    match ruler_explanation(trajectory) {
+        Some(explanation) => format!(
+            r#"<div class="art-note"><b>RULER</b> {}</div>"#,
+            escape_html(explanation)
+        ),
+        None => String::new(),
+    }
+}
+
+/// The body of a trajectory from item `from` on: messages, extra histories, tools, logs.
+fn trajectory_body(trajectory: &Trajectory, from: usize) -> String {
+    let mut tool_names = HashMap::new();
+    // Tool calls in the skipped prefix still name later results.
+    for item in &trajectory.messages_and_choices[..from] {
+        item_html(item, &mut tool_names);
+    }
+    let mut out = items_html(&trajectory.messages_and_choices[from..], &mut tool_names);
+    if from >= trajectory.messages_and_choices.len() {
+        out.push_str(r#"<div class="art-empty">(nothing after the shared part)</div>"#);
+    }
+    for (i, history) in trajectory.additional_histories.iter().enumerate() {
+        let _ = write!(
+            out,
+            r#"<details class="art-more"><summary>additional history {} ({} messages)</summary>{}</details>"#,
+            i + 1,
+            history.messages_and_choices.len(),
+            items_html(&history.messages_and_choices, &mut HashMap::new())
+        );
+    }
+    out.push_str(&tools_html(trajectory.tools.as_deref()));
+    out.push_str(&logs_html(&trajectory.logs));
+    out
+}
+
+pub(crate) fn trajectory_html(trajectory: &Trajectory) -> String {
+    let mut out = format!(
+        r#"{STYLE}<div class="art-root"><div class="art-card"><div class="art-head"><span class="art-title">Trajectory</span>"#
+    );
+    out.push_str(&reward_badge("reward", trajectory.reward, 0.0, 0.0));
+    out.push_str(&metric_badges(&trajectory.metrics, &[]));
+    out.push_str(&metadata_chips(&trajectory.metadata));
+    if let (Some(a), Some(b)) = (
+        trajectory.initial_policy_version,
+        trajectory.final_policy_version,
+    ) {
+        let version = if a == b {
+            a.to_string()
+        } else {
+            format!("{a}→{b}")
+        };
+        let _ = write!(
+            out,
+            r#"<span class="art-chip">policy <code>{version}</code></span>"#
+        );
+    }
+    out.push_str("</div>");
+    out.push_str(&ruler_note(trajectory));
+    out.push_str(&trajectory_body(trajectory, 0));
+    out.push_str("</div></div>");
+    out
+}
+
+pub(crate) fn group_html(group: &TrajectoryGroup) -> String {
+    let rewards = group.rewards();
+    let lo = rewards.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = rewards.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let mut out = format!(
+        r#"{STYLE}<div class="art-root"><div class="art-card"><div class="art-head"><span class="art-title">TrajectoryGroup</span>"#
+    );
+    let _ = write!(
+        out,
+        r#"<span class="art-badge">trajectories <b>{}</b></span>"#,
+        group.trajectories.len()
+    );
+    if let (Some(mean), Some(std)) = (group.mean_reward(), group.reward_std()) {
+        out.push_str(&reward_badge("mean reward", mean, 0.0, 0.0));
+        let _ = write!(
+            out,
+            r#"<span class="art-badge">std <b>{}</b></span>"#,
+            format_number(std)
+        );
+        if std == 0.0 && group.trajectories.len() > 1 {
+            out.push_str(r#"<span class="art-chip" title="GRPO learns from differences within a group">all rewards equal: nothing to learn</span>"#);
+        }
+    }
+    if !group.exceptions.is_empty() {
+        let _ = write!(
+            out,
+            r#"<span class="art-badge" style="border-color:rgba(220,38,38,.5);background:rgba(220,38,38,.1)">exceptions <b>{}</b></span>"#,
+            group.exceptions.len()
+        );
+    }
+    out.push_str(&metric_badges(&group.metrics, &[]));
+    out.push_str(&metadata_chips(&group.metadata));
+    out.push_str("</div>");
+
+    // The beginning all trajectories share (system prompt, task) is shown once.
+    let conversations: Vec<Vec<Message>> = group
+        .trajectories
+        .iter()
+        .map(Trajectory::messages)
+        .collect();
+    let shared = if conversations.len() > 1 {
+        common_prefix_len(&conversations)
+    } else {
+        0
+    };
+    if shared > 0 {
+        let mut tool_names = HashMap::new();
+        let _ = write!(
+            out,
+            r#"<details class="art-more" open><summary>shared beginning ({} messages)</summary>{}</details>"#,
+            shared,
+            items_html(
+                &group.trajectories[0].messages_and_choices[..shared],
+                &mut tool_names
+            )
+        );
+    }
+
+    let mut order: Vec<usize> = (0..rewards.len()).collect();
+    order.sort_by(|&a, &b| rewards[b].total_cmp(&rewards[a]));
+    let mut rank = vec![0; rewards.len()];
+    for (position, &index) in order.iter().enumerate() {
+        rank[index] = position + 1;
+    }
+    out.push_str(r#"<div class="art-cols">"#);
+    for (i, trajectory) in group.trajectories.iter().enumerate() {
+        let best = hi > lo && trajectory.reward == hi;
+        let _ = write!(
+            out,
+            r#"<div class="art-col{}"><div class="art-head"><span class="art-title">#{}</span>"#,
+            if best { " art-best" } else { "" },
+            i + 1
+        );
+        out.push_str(&reward_badge("reward", trajectory.reward, lo, hi));
+        if group.trajectories.len() > 1 {
+            let _ = write!(out, r#"<span class="art-chip">rank {}</span>"#, rank[i]);
+        }
+        out.push_str(&metric_badges(&trajectory.metrics, &["ruler_score"]));
+        out.push_str(&metadata_chips(&trajectory.metadata));
+        out.push_str("</div>");
+        if let Some(h) = reward_hue(trajectory.reward, lo, hi) {
+            let width = (trajectory.reward - lo) / (hi - lo) * 100.0;
+            let _ = write!(
+                out,
+                r#"<div class="art-bar"><span style="width:{width:.0}%;background:hsla({h:.0},70%,45%,.8)"></span></div>"#
+            );
+        }
+        out.push_str(&ruler_note(trajectory));
+        out.push_str(&trajectory_body(trajectory, shared));
+        out.push_str("</div>");
+    }
+    out.push_str("</div>");
+    for exception in &group.exceptions {
+        let _ = write!(
+            out,
+            r#"<div class="art-err"><b>{}</b>: {}</div>"#,
+            escape_html(&exception.kind),
+            escape_html(&exception.message)
+        );
+    }
+    out.push_str(&logs_html(&group.logs));
+    out.push_str("</div></div>");
+    out
+}
+
+fn item_text(item: &MessageOrChoice) -> String {
+    let message = match item {
+        MessageOrChoice::Message(m) => m.clone(),
+        MessageOrChoice::Choice(c) => c.to_message(),
+    };
+    let mut text = format!("[{}] {}", message.role(), message.text());
+    if let Message::Assistant(m) = &message {
+        for call in &m.tool_calls {
+            let _ = write!(
+                text,
+                "\n  -> {}({})",
+                call.function.name, call.function.arguments
+            );
+        }
+    }
+    text
+}
+
+pub(crate) fn trajectory_text(trajectory: &Trajectory) -> String {
+    let mut out = format!("Trajectory reward={}", format_number(trajectory.reward));
+    for (name, value) in &trajectory.metrics {
+        let _ = write!(out, " {name}={}", format_metric(value));
+    }
+    for item in &trajectory.messages_and_choices {
+        out.push('\n');
+        out.push_str(&item_text(item));
+    }
+    if let Some(explanation) = ruler_explanation(trajectory) {
+        let _ = write!(out, "\nRULER: {explanation}");
+    }
+    out
+}
+
+pub(crate) fn group_text(group: &TrajectoryGroup) -> String {
+    let rewards: Vec<String> = group.rewards().into_iter().map(format_number).collect();
+    let mut out = format!(
+        "TrajectoryGroup: {} trajectories, rewards [{}]",
+        group.trajectories.len(),
+        rewards.join(", ")
+    );
+    if let Some(mean) = group.mean_reward() {
+        let _ = write!(out, ", mean {}", format_number(mean));
+    }
+    if !group.exceptions.is_empty() {
+        let _ = write!(out, ", {} exceptions", group.exceptions.len());
+    }
+    out
+}
+
+impl Render for Trajectory {
+    fn render(&self) -> MimeBundle {
+        MimeBundle::new()
+            .with("text/html", trajectory_html(self))
+            .with("text/plain", trajectory_text(self))
+    }
+}
+
+impl Render for TrajectoryGroup {
+    fn render(&self) -> MimeBundle {
+        MimeBundle::new()
+            .with("text/html", group_html(self))
+            .with("text/plain", group_text(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::types::{AssistantMessage, ToolCall};
+
+    fn weather_trajectory(reward: f64, answer: &str) -> Trajectory {
+        let mut t = Trajectory::new([
+            Message::system("You are a weather assistant."),
+            Message::user("Weather in Paris?"),
+        ]);
+        t.push_message(Message::Assistant(AssistantMessage {
+            tool_calls: vec![ToolCall::new(
+                "call_1",
+                "get_weather",
+                r#"{"city":"Paris"}"#,
+            )],
+            ..Default::default()
+        }));
+        t.push_message(Message::tool("call_1", r#"{"temp":18}"#));
+        t.push_message(Message::assistant(answer));
+        t.reward = reward;
+        t.set_metric("correct", reward > 0.5);
+        t
+    }
+
+    #[test]
+    fn transcript_shows_roles_tool_calls_and_results() {
+        let mut t = weather_trajectory(0.75, "It is <18°C> & clear.");
+        t.log("RULER explanation: used the tool, answered briefly");
+        let html = trajectory_html(&t);
+        for needle in [
+            "art-system",
+            "art-user",
+            "art-assistant",
+            "tool result",
+            "get_weather",
+            "&quot;city&quot;: &quot;Paris&quot;",
+            "It is &lt;18°C&gt; &amp; clear.",
+            "reward <b>0.75</b>",
+            "correct <b>✓</b>",
+            "<b>RULER</b> used the tool, answered briefly",
+        ] {
+            assert!(html.contains(needle), "missing {needle:?} in\n{html}");
+        }
+        assert!(!html.contains("<18°C>"), "text must be escaped");
+        let text = trajectory_text(&t);
+        assert!(text.contains("[tool] {\"temp\":18}"));
+        assert!(text.contains("-> get_weather({\"city\":\"Paris\"})"));
+    }
+
+    #[test]
+    fn group_shows_shared_beginning_once_and_ranks() {
+        let group = TrajectoryGroup::new([
+            weather_trajectory(0.2, "no idea"),
+            weather_trajectory(0.9, "18°C, clear"),
+        ]);
+        let html = group_html(&group);
+        // The system prompt is rendered once (above the columns), not once per trajectory.
+        assert_eq!(html.matches(r#"class="art-msg art-system""#).count(), 1);
+        assert!(html.contains("shared beginning (4 messages)"));
+        assert_eq!(html.matches("art-col art-best").count(), 1);
+        assert!(html.contains("rank 1"));
+        assert!(html.contains("mean reward <b>0.55</b>"));
+        assert_eq!(
+            group_text(&group),
+            "TrajectoryGroup: 2 trajectories, rewards [0.2, 0.9], mean 0.55"
+        );
+    }
+
+    #[test]
+    fn numbers_read_well() {
+        assert_eq!(format_number(1.0), "1");
+        assert_eq!(format_number(0.5), "0.5");
+        assert_eq!(format_number(0.123456), "0.123");
+        assert_eq!(format_number(1234.56), "1234.6");
+        assert_eq!(strip_tags("<b>a</b> &lt;b&gt;"), "a <b>");
+    }
+}

@@ -1,0 +1,288 @@
+//! What `art-kernel install` decides once and every kernel start reads: where cells get art-core
+//! from, where compiled dependencies are kept, and the prelude every notebook starts with.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+/// Where cells get art-core from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ArtCoreSource {
+    /// A checkout (the repository the kernel was built from, by default).
+    Path(PathBuf),
+    /// A version from crates.io.
+    Version(String),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct KernelConfig {
+    pub art_core: ArtCoreSource,
+    /// Compiled dependencies and per-kernel build directories (`slots/N`).
+    pub cache_dir: PathBuf,
+    /// Optimisation of cell code (dependencies are always built at opt-level 3).
+    pub cell_opt_level: String,
+    /// Never touch the network from cells' builds (set once the cache is warm).
+    pub offline: bool,
+    /// The rustup toolchain cells are compiled with: the one that built the kernel, so that the
+    /// warm cache and every kernel start agree (`None` outside rustup).
+    #[serde(default)]
+    pub toolchain: Option<String>,
+}
+
+/// The features of tokio cells get (what top-level `.await` and art-core need).
+const TOKIO_DEP: &str =
+    r#"{ version = "1", features = ["rt-multi-thread", "macros", "time", "sync"] }"#;
+
+impl KernelConfig {
+    /// The settings `install` starts from.
+    pub fn defaults() -> Self {
+        KernelConfig {
+            art_core: Self::default_art_core(),
+            cache_dir: Self::default_cache_dir(),
+            cell_opt_level: "0".into(),
+            offline: false,
+            toolchain: option_env!("RUSTUP_TOOLCHAIN").map(str::to_string),
+        }
+    }
+
+    pub fn default_cache_dir() -> PathBuf {
+        std::env::var_os("ART_KERNEL_CACHE")
+            .map(PathBuf::from)
+            .or_else(|| dirs::cache_dir().map(|d| d.join("art-kernel")))
+            .unwrap_or_else(|| std::env::temp_dir().join("art-kernel"))
+    }
+
+    /// art-core next to this kernel's sources, when the kernel was built from a checkout.
+    pub fn default_art_core() -> ArtCoreSource {
+        let checkout = Path::new(env!("CARGO_MANIFEST_DIR")).join("../art-core");
+        match checkout.join("Cargo.toml").is_file() {
+            true => ArtCoreSource::Path(checkout.canonicalize().unwrap_or(checkout)),
+            false => ArtCoreSource::Version(env!("CARGO_PKG_VERSION").to_string()),
+        }
+    }
+
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the kernel config {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{} is not a valid kernel config; run `art-kernel install` again",
+                path.display()
+            )
+        })
+    }
+
+    fn art_core_dep(&self) -> String {
+        match &self.art_core {
+            ArtCoreSource::Path(path) => {
+                format!(
+                    ":dep art-core = {{ path = {:?} }}",
+                    path.display().to_string()
+                )
+            }
+            ArtCoreSource::Version(version) => {
+                format!(":dep art-core = {{ version = {version:?} }}")
+            }
+        }
+    }
+
+    /// The first cell every kernel runs: dependencies, imports, and async mode (so that later
+    /// cells can `.await` at top level without a recompile).
+    pub fn prelude(&self) -> String {
+        format!(
+            "\
+:offline {offline}
+:opt {opt}
+{art_core}
+:dep tokio = {TOKIO_DEP}
+:dep serde_json = {{ version = \"1\" }}
+use art_core::*;
+use art_core::display::{{self, Display}};
+async fn art_kernel_ready() {{}}
+art_kernel_ready().await;
+",
+            offline = u8::from(self.offline),
+            opt = self.cell_opt_level,
+            art_core = self.art_core_dep(),
+        )
+    }
+
+    /// Starts a build directory's lockfile from the checkout's `Cargo.lock` (when cells use
+    /// art-core from a checkout): cells then build the dependency versions the workspace was
+    /// tested with, found in cargo's local registry cache, without resolving against the
+    /// registry's index. A lockfile already there is kept.
+    pub fn seed_lockfile(&self, build_dir: &Path) {
+        let ArtCoreSource::Path(art_core) = &self.art_core else {
+            return;
+        };
+        let target = build_dir.join("Cargo.lock");
+        let Some(source) = art_core.parent().map(|p| p.join("Cargo.lock")) else {
+            return;
+        };
+        if target.exists() || !source.is_file() {
+            return;
+        }
+        if let Err(error) = std::fs::copy(&source, &target) {
+            eprintln!(
+                "art-kernel: cannot copy {} to {} ({error}); cargo will resolve afresh",
+                source.display(),
+                target.display()
+            );
+        }
+    }
+
+    /// Cargo configuration above the build directories: the toolkit and its dependencies are
+    /// compiled optimised, whatever level cells use.
+    pub fn write_cargo_config(&self) -> Result<()> {
+        let dir = self.cache_dir.join(".cargo");
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+        std::fs::write(
+            dir.join("config.toml"),
+            "# Written by art-kernel: dependencies of notebook cells are compiled once, optimised.\n\
+             [profile.dev.package.\"*\"]\nopt-level = 3\ndebug = false\n",
+        )?;
+        Ok(())
+    }
+}
+
+/// A build directory held by one kernel (cargo and evcxr cannot share one between processes).
+pub struct Slot {
+    pub dir: PathBuf,
+    _lock: File,
+}
+
+/// Takes the first free build directory under `cache_dir/slots`. A new one starts as a hard-linked
+/// copy of slot 0 (the one `install` warmed), so that a second notebook does not compile the
+/// toolkit again.
+pub fn acquire_slot(cache_dir: &Path) -> Result<Slot> {
+    let slots = cache_dir.join("slots");
+    std::fs::create_dir_all(&slots)
+        .with_context(|| format!("cannot create {}", slots.display()))?;
+    for n in 0..64 {
+        let lock_path = slots.join(format!("{n}.lock"));
+        let lock = File::create(&lock_path)
+            .with_context(|| format!("cannot create {}", lock_path.display()))?;
+        // SAFETY: flock on a file descriptor we own.
+        let locked = unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+        if !locked {
+            continue;
+        }
+        let dir = slots.join(n.to_string());
+        if !dir.exists() && n > 0 {
+            let seed = slots.join("0");
+            if seed.join("target").is_dir() {
+                if let Err(error) = link_tree(&seed, &dir) {
+                    eprintln!(
+                        "art-kernel: could not seed {} from slot 0 ({error}); compiling afresh",
+                        dir.display()
+                    );
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+            }
+        }
+        std::fs::create_dir_all(&dir)?;
+        return Ok(Slot { dir, _lock: lock });
+    }
+    anyhow::bail!("all 64 build slots under {} are in use", slots.display())
+}
+
+/// Copies a directory tree as hard links (falling back to copies), keeping modification times so
+/// that cargo sees the artifacts as fresh.
+fn link_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let kind = entry.file_type()?;
+        let target = to.join(entry.file_name());
+        if kind.is_dir() {
+            link_tree(&entry.path(), &target)?;
+        } else if kind.is_symlink() {
+            let link = std::fs::read_link(entry.path())?;
+            std::os::unix::fs::symlink(link, &target)?;
+        } else if std::fs::hard_link(entry.path(), &target).is_err() {
+            std::fs::copy(entry.path(), &target)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prelude_loads_art_core_tokio_and_async_mode() {
+        let config = KernelConfig {
+            art_core: ArtCoreSource::Path("/src/art-core".into()),
+            cache_dir: "/tmp/cache".into(),
+            cell_opt_level: "0".into(),
+            offline: true,
+            toolchain: None,
+        };
+        let prelude = config.prelude();
+        assert!(prelude.contains(":dep art-core = { path = \"/src/art-core\" }"));
+        assert!(prelude.contains(":offline 1"));
+        assert!(prelude.contains(":dep tokio = { version = \"1\""));
+        assert!(prelude.contains("use art_core::*;"));
+        assert!(prelude.contains(".await;"));
+        let json = serde_json::to_string(&config).unwrap();
+        assert!(json.contains(r#""art_core":{"path":"/src/art-core"}"#));
+    }
+
+    #[test]
+    fn lockfile_is_seeded_from_the_checkout_once() {
+        let root =
+            std::env::temp_dir().join(format!("art-kernel-lock-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("checkout/art-core")).unwrap();
+        std::fs::create_dir_all(root.join("slot")).unwrap();
+        std::fs::write(root.join("checkout/Cargo.lock"), "version = 4\n").unwrap();
+        let config = KernelConfig {
+            art_core: ArtCoreSource::Path(root.join("checkout/art-core")),
+            cache_dir: root.join("cache"),
+            cell_opt_level: "0".into(),
+            offline: true,
+            toolchain: None,
+        };
+        config.seed_lockfile(&root.join("slot"));
+        assert_eq!(
+            std::fs::read_to_string(root.join("slot/Cargo.lock")).unwrap(),
+            "version = 4\n"
+        );
+        // Cargo owns it from then on.
+        std::fs::write(root.join("slot/Cargo.lock"), "resolved by cargo").unwrap();
+        config.seed_lockfile(&root.join("slot"));
+        assert_eq!(
+            std::fs::read_to_string(root.join("slot/Cargo.lock")).unwrap(),
+            "resolved by cargo"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn slots_are_exclusive_and_seeded_from_slot_zero() {
+        let cache =
+            std::env::temp_dir().join(format!("art-kernel-slot-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&cache);
+        let first = acquire_slot(&cache).unwrap();
+        assert!(first.dir.ends_with("slots/0"));
+        std::fs::create_dir_all(first.dir.join("target/debug")).unwrap();
+        std::fs::write(first.dir.join("target/debug/lib.rlib"), b"rlib").unwrap();
+        let second = acquire_slot(&cache).unwrap();
+        assert!(second.dir.ends_with("slots/1"));
+        assert_eq!(
+            std::fs::read(second.dir.join("target/debug/lib.rlib")).unwrap(),
+            b"rlib"
+        );
+        drop(first);
+        let again = acquire_slot(&cache).unwrap();
+        assert!(again.dir.ends_with("slots/0"), "a released slot is reused");
+        drop((second, again));
+        std::fs::remove_dir_all(&cache).unwrap();
+    }
+}

@@ -1,0 +1,350 @@
+"""Drives the ART kernel headless through jupyter_client, as a notebook front end would.
+
+Run: ART_KERNEL_BIN=target/debug/art-kernel python tests/kernel/test_kernel.py
+(`cargo test -p art-kernel` runs it with the interpreter named by ART_TEST_PYTHON.)
+
+The kernelspec is installed into a temporary prefix; the build cache is the kernel's usual one
+(ART_KERNEL_CACHE or ~/.cache/art-kernel), so a cold machine spends minutes in the install step.
+"""
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+from jupyter_client.manager import KernelManager
+
+KERNEL_BIN = os.environ.get("ART_KERNEL_BIN", "target/debug/art-kernel")
+TIMINGS = {}
+
+
+def timed(name, seconds):
+    TIMINGS.setdefault(name, []).append(seconds)
+
+
+class Kernel:
+    """One kernel for the whole run (starting one is the slow part)."""
+
+    def __init__(self):
+        self.prefix = tempfile.mkdtemp(prefix="art-kernel-test-")
+        started = time.monotonic()
+        subprocess.run([KERNEL_BIN, "install", "--prefix", self.prefix], check=True)
+        timed("install (warms the cache)", time.monotonic() - started)
+        os.environ["JUPYTER_PATH"] = os.path.join(self.prefix, "share", "jupyter")
+        self.km = KernelManager(kernel_name="art")
+        started = time.monotonic()
+        self.km.start_kernel()
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=300)
+        timed("kernel_info answered", time.monotonic() - started)
+        # The engine compiles the prelude in the background; the first cell waits for it.
+        first = time.monotonic()
+        reply, _ = self.run("()", timeout=300)
+        assert reply["content"]["status"] == "ok", reply
+        timed("ready (prelude compiled, first cell done)", time.monotonic() - started)
+        timed("first cell after kernel_info", time.monotonic() - first)
+
+    def run(self, code, timeout=120, on_output=None):
+        """Executes `code`; returns the execute_reply and the iopub messages of this request."""
+        msg_id = self.kc.execute(code)
+        return self.collect(msg_id, timeout, on_output)
+
+    def collect(self, msg_id, timeout=120, on_output=None):
+        outputs = []
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no idle status for {msg_id} within {timeout}s; saw {outputs}")
+            try:
+                message = self.kc.get_iopub_msg(timeout=remaining)
+            except queue.Empty:
+                continue
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = message["msg_type"]
+            if kind == "status" and message["content"]["execution_state"] == "idle":
+                break
+            if kind not in ("status", "execute_input"):
+                outputs.append(message)
+                if on_output:
+                    on_output(message)
+        reply = self.kc.get_shell_msg(timeout=timeout)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.kc.get_shell_msg(timeout=timeout)
+        return reply, outputs
+
+    def close(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
+        shutil.rmtree(self.prefix, ignore_errors=True)
+
+
+KERNEL = None
+
+
+def kernel():
+    global KERNEL
+    if KERNEL is None:
+        KERNEL = Kernel()
+    return KERNEL
+
+
+def of_type(outputs, kind):
+    return [o for o in outputs if o["msg_type"] == kind]
+
+
+def text_of(outputs):
+    return "".join(o["content"]["text"] for o in of_type(outputs, "stream"))
+
+
+class KernelTest(unittest.TestCase):
+    def test_01_evaluates_an_expression(self):
+        k = kernel()
+        for attempt in range(3):
+            started = time.monotonic()
+            reply, outputs = k.run("1 + 1")
+            timed("simple cell `1 + 1`", time.monotonic() - started)
+            self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+            results = of_type(outputs, "execute_result")
+            self.assertEqual(len(results), 1, outputs)
+            self.assertEqual(results[0]["content"]["data"]["text/plain"], "2")
+
+    def test_02_variables_persist_and_print(self):
+        k = kernel()
+        reply, _ = k.run("let answer = 40;")
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        started = time.monotonic()
+        reply, outputs = k.run('println!("hello from rust"); answer + 2')
+        timed("cell using a variable", time.monotonic() - started)
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        self.assertIn("hello from rust", text_of(outputs))
+        self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"], "42")
+
+    def test_03_rich_outputs_with_mime_types(self):
+        k = kernel()
+        code = r'''
+display::html("<b>bold</b>");
+display::svg(r#"<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"><rect width="10" height="10"/></svg>"#);
+display::png(vec![0x89u8, b'P', b'N', b'G', 13, 10, 26, 10]);
+display::markdown("*hi*");
+'''
+        reply, outputs = k.run(code)
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        shown = of_type(outputs, "display_data")
+        self.assertEqual(len(shown), 4, outputs)
+        self.assertEqual(shown[0]["content"]["data"]["text/html"], "<b>bold</b>")
+        self.assertIn("<svg", shown[1]["content"]["data"]["image/svg+xml"])
+        self.assertEqual(shown[2]["content"]["data"]["image/png"], "iVBORw0KGgo=")
+        self.assertEqual(shown[3]["content"]["data"]["text/markdown"], "*hi*")
+
+    def test_04_live_display_updates_in_place(self):
+        k = kernel()
+        code = r'''
+let live = Display::new();
+for step in 0..3 {
+    live.update(display::Html(format!("step {step}")));
+}
+'''
+        reply, outputs = k.run(code)
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        shown = of_type(outputs, "display_data")
+        updates = of_type(outputs, "update_display_data")
+        self.assertEqual(len(shown), 1, outputs)
+        self.assertEqual(len(updates), 2, outputs)
+        display_id = shown[0]["content"]["transient"]["display_id"]
+        self.assertTrue(display_id)
+        for update in updates:
+            self.assertEqual(update["content"]["transient"]["display_id"], display_id)
+        self.assertEqual(updates[-1]["content"]["data"]["text/html"], "step 2")
+
+    def test_05_trajectory_renders_as_html(self):
+        k = kernel()
+        code = r'''
+let mut t = Trajectory::new([Message::system("You are terse."), Message::user("2+2?")]);
+t.push_message(Message::assistant("4"));
+t.reward = 1.0;
+t.set_metric("correct", true);
+t
+'''
+        reply, outputs = k.run(code)
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        data = of_type(outputs, "execute_result")[0]["content"]["data"]
+        self.assertIn("art-root", data["text/html"])
+        self.assertIn("correct", data["text/html"])
+        self.assertIn("[assistant] 4", data["text/plain"])
+
+    def test_06_gather_shows_live_progress(self):
+        k = kernel()
+        code = r'''
+let groups = gather_trajectory_groups(
+    (0..2).map(|g| TrajectoryGroup::from_rollouts((0..4).map(move |i| async move {
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        let mut t = Trajectory::new([Message::user("q")]);
+        t.push_message(Message::assistant(format!("answer {i}")));
+        t.reward = (g * 4 + i) as f64 / 8.0;
+        Ok::<_, std::io::Error>(t)
+    }))),
+    GatherOptions::new().concurrency(2),
+).await.unwrap();
+groups[1].clone()
+'''
+        reply, outputs = k.run(code)
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        shown = of_type(outputs, "display_data")
+        updates = of_type(outputs, "update_display_data")
+        self.assertEqual(len(shown), 1, outputs)
+        self.assertGreaterEqual(len(updates), 2, outputs)
+        final = updates[-1]["content"]["data"]["text/plain"]
+        self.assertIn("8/8 rollouts", final)
+        self.assertIn("2/2 groups", final)
+        result = of_type(outputs, "execute_result")[0]["content"]["data"]
+        self.assertIn("TrajectoryGroup: 4 trajectories", result["text/plain"])
+        self.assertIn("art-cols", result["text/html"])
+
+    def test_07_compile_error_is_an_error_output(self):
+        k = kernel()
+        reply, outputs = k.run('let x: i32 = "not a number";')
+        self.assertEqual(reply["content"]["status"], "error")
+        errors = of_type(outputs, "error")
+        self.assertEqual(len(errors), 1, outputs)
+        error = errors[0]["content"]
+        self.assertEqual(error["ename"], "CompileError")
+        self.assertIn("mismatched types", error["evalue"])
+        self.assertTrue(any("^" in line for line in error["traceback"]), error["traceback"])
+        # The kernel goes on.
+        reply, outputs = k.run("3 * 3")
+        self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"], "9")
+
+    def test_08_completion(self):
+        k = kernel()
+        code = "let numbers = vec![1, 2, 3];\nnumbers.it"
+        started = time.monotonic()
+        msg_id = k.kc.complete(code, len(code))
+        reply = k.kc.get_shell_msg(timeout=60)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = k.kc.get_shell_msg(timeout=60)
+        timed("completion", time.monotonic() - started)
+        content = reply["content"]
+        self.assertEqual(content["status"], "ok", content)
+        self.assertTrue(any(m.startswith("iter") for m in content["matches"]), content["matches"][:20])
+        self.assertEqual(content["cursor_end"], len(code))
+        self.assertEqual(content["cursor_start"], len(code) - 2)
+
+    def test_09_is_complete(self):
+        k = kernel()
+        msg_id = k.kc.is_complete("fn f() {")
+        reply = k.kc.get_shell_msg(timeout=30)
+        self.assertEqual(reply["content"]["status"], "incomplete")
+        k.kc.is_complete("1 + 1")
+        reply = k.kc.get_shell_msg(timeout=30)
+        self.assertEqual(reply["content"]["status"], "complete")
+
+    def _interrupt_a_loop(self, interrupt):
+        k = kernel()
+        code = r'''
+println!("looping");
+loop { std::thread::sleep(std::time::Duration::from_millis(10)); }
+'''
+        msg_id = k.kc.execute(code)
+        looping = time.monotonic() + 120
+        seen = []
+        # Wait until the loop runs (the cell has compiled and printed), then interrupt.
+        while time.monotonic() < looping:
+            message = k.kc.get_iopub_msg(timeout=120)
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            seen.append(message)
+            if message["msg_type"] == "stream" and "looping" in message["content"]["text"]:
+                break
+        time.sleep(0.3)
+        started = time.monotonic()
+        interrupt()
+        reply, outputs = k.collect(msg_id, timeout=30)
+        timed("interrupt to reply", time.monotonic() - started)
+        self.assertEqual(reply["content"]["status"], "error", reply["content"])
+        self.assertEqual(reply["content"]["ename"], "Interrupted")
+        # The kernel lives on and runs the next cell.
+        reply, outputs = k.run("1 + 2")
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"], "3")
+
+    def test_10_interrupt_by_signal(self):
+        k = kernel()
+        # What JupyterLab's stop button does for interrupt_mode "signal": SIGINT to the group.
+        self._interrupt_a_loop(k.km.interrupt_kernel)
+
+    def test_11_interrupt_by_message(self):
+        k = kernel()
+
+        def interrupt_request():
+            k.kc.control_channel.send(k.kc.session.msg("interrupt_request", {}))
+            reply = k.kc.control_channel.get_msg(timeout=10)
+            self.assertEqual(reply["msg_type"], "interrupt_reply")
+
+        self._interrupt_a_loop(interrupt_request)
+
+    def test_12_several_outputs_and_stream_order(self):
+        k = kernel()
+        code = r'''
+println!("one");
+display::html("<i>two</i>");
+println!("three");
+"four"
+'''
+        reply, outputs = k.run(code)
+        kinds = [o["msg_type"] for o in outputs]
+        self.assertEqual(kinds, ["stream", "display_data", "stream", "execute_result"], outputs)
+
+    def test_13_training_view_draws_curves_in_place(self):
+        k = kernel()
+        code = r'''
+let view = display::TrainingView::new("GRPO");
+for step in 1..=3u64 {
+    let mut hook = view.hook();
+    for micro_batch in 0..=2 {
+        hook(&TrainProgress {
+            step, micro_batch, micro_batches: 2, trainable_tokens: micro_batch * 8,
+            total_trainable_tokens: 16, loss: 0.1, elapsed_s: 0.0,
+        });
+    }
+    view.record_step(step, step as f64 / 3.0, 0.5 / step as f64);
+}
+'''
+        reply, outputs = k.run(code)
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        shown = of_type(outputs, "display_data")
+        updates = of_type(outputs, "update_display_data")
+        self.assertEqual(len(shown), 1, outputs)
+        self.assertGreaterEqual(len(updates), 5, outputs)
+        final = updates[-1]["content"]["data"]
+        self.assertEqual(final["text/plain"], "GRPO: step 3, reward 1 (first 0.333), loss 0.167")
+        self.assertEqual(final["text/html"].count("<svg"), 2)
+        self.assertEqual(final["text/html"].count("<circle"), 6)
+
+
+def main():
+    if not os.path.exists(KERNEL_BIN):
+        print(f"no kernel binary at {KERNEL_BIN}", file=sys.stderr)
+        return 2
+    suite = unittest.TestLoader().loadTestsFromTestCase(KernelTest)
+    result = unittest.TextTestRunner(verbosity=2).run(suite)
+    if KERNEL is not None:
+        KERNEL.close()
+    print("\nTimings (seconds):")
+    for name, values in TIMINGS.items():
+        print(f"  {name}: " + ", ".join(f"{v:.2f}" for v in values))
+    failed = len(result.failures) + len(result.errors)
+    print(f"{result.testsRun - failed} passed, {failed} failed")
+    return 0 if result.wasSuccessful() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
