@@ -2,7 +2,8 @@
 //! verifiable reward — adding two numbers — with the base model's held-out reward before and the
 //! trained model's after.
 //!
-//! scripts/main-job.sh [--steps N] [--groups N] [--group-size N] [--learning-rate X] [--eval N]
+//! scripts/main-job.sh [--steps N] [--groups N] [--group-size N] [--learning-rate X]
+//!     [--temperature T] [--eval N]
 
 use std::time::Instant;
 
@@ -57,10 +58,10 @@ struct Settings {
 impl Settings {
     fn from_args() -> anyhow::Result<Self> {
         let mut settings = Settings {
-            steps: 8,
-            groups: 8,
-            group_size: 6,
-            learning_rate: 2e-4,
+            steps: 10,
+            groups: 4,
+            group_size: 8,
+            learning_rate: 5e-4,
             temperature: 1.0,
             eval: 32,
         };
