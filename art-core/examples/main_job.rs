@@ -8,8 +8,8 @@
 use std::time::Instant;
 
 use art_core::{
-    gather_trajectory_groups, GatherOptions, LocalBackend, LocalBackendOptions, Message,
-    TrainConfig, TrainableModel, TrajectoryGroup,
+    gather_trajectory_groups, plots, GatherOptions, LocalBackend, LocalBackendOptions, Message,
+    Split, TrainConfig, TrainableModel, TrajectoryGroup,
 };
 
 #[path = "common/arithmetic.rs"]
@@ -19,14 +19,17 @@ use arithmetic::{rollout, scenarios, Sum};
 /// Both numbers of a sum are below this.
 const NUMBERS_BELOW: u32 = 20;
 
-/// Mean greedy reward on held-out scenarios.
+/// Mean greedy reward on held-out scenarios, logged to the model's history.
 async fn evaluate(model: &TrainableModel, held_out: &[Sum]) -> anyhow::Result<f64> {
     let groups = held_out
         .iter()
         .map(|&sum| TrajectoryGroup::from_rollouts([rollout(model, sum, 0.0, 0)]));
     let groups = gather_trajectory_groups(groups, GatherOptions::new().description("eval")).await?;
-    let rewards: Vec<f64> = groups.iter().flat_map(TrajectoryGroup::rewards).collect();
-    Ok(rewards.iter().sum::<f64>() / rewards.len() as f64)
+    // Logged as the `val` split at the model's current step: the reward chart's val points.
+    let logged = model.log(&groups, Split::Val).await?;
+    logged
+        .get("reward")
+        .ok_or_else(|| anyhow::anyhow!("the backend logged no reward"))
 }
 
 /// A group's replies with their rewards, to see what the model does.
@@ -135,6 +138,7 @@ async fn main() -> anyhow::Result<()> {
         if step == 0 {
             print_samples(&groups[0]);
         }
+        model.log(&groups, Split::Train).await?;
         let result = model.train(&groups, &config).await?;
         let m = &result.metrics;
         println!(
@@ -156,5 +160,10 @@ async fn main() -> anyhow::Result<()> {
         settings.steps,
         started.elapsed().as_secs_f64()
     );
+    let chart = plots::reward_chart(&model.history().await?)
+        .with_title(format!("{}: reward per step", model.name));
+    let path = format!("main-job-{}.png", model.name);
+    std::fs::write(&path, chart.to_png()?)?;
+    println!("reward curve (train and held-out): {path}");
     Ok(())
 }
