@@ -92,8 +92,7 @@ impl Settings {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let settings = Settings::from_args()?;
-    let models = std::env::var("ART_MODELS_DIR").unwrap_or_else(|_| "models".into());
-    let mut options = LocalBackendOptions::new(format!("{models}/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    let mut options = LocalBackendOptions::default_model()?;
     options.art_dir = ".art".into();
     let started = Instant::now();
     let backend = LocalBackend::start(options).await?;

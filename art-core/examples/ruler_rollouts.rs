@@ -22,8 +22,7 @@ const RUBRIC: &str = "The user asked for the sum of two numbers as a bare number
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let models = std::env::var("ART_MODELS_DIR").unwrap_or_else(|_| "models".into());
-    let mut options = LocalBackendOptions::new(format!("{models}/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    let mut options = LocalBackendOptions::default_model()?;
     options.art_dir = ".art".into();
     let backend = LocalBackend::start(options).await?;
     let model = TrainableModel::register(&backend, "ruler-demo", "examples").await?;

@@ -22,6 +22,11 @@ use crate::types::{
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
+    #[error(
+        "cannot find the default model {file}: tried {tried}. Fetch it with scripts/fetch-models.sh, \
+         or set ART_MODELS_DIR to the folder that holds it"
+    )]
+    DefaultModelNotFound { file: String, tried: String },
     #[error("cannot find the `art` binary: {0}. Build it with `cargo build --release -p art-core --features server --bin art`, or set ART_BIN")]
     BinaryNotFound(String),
     #[error("`art serve` did not start: {0}")]
@@ -112,7 +117,36 @@ impl LocalBackendOptions {
             startup_timeout: Duration::from_secs(120),
         }
     }
+
+    /// Options for the embedded default model, SmolLM2-135M-Instruct, as `scripts/fetch-models.sh`
+    /// puts it: in `$ART_MODELS_DIR`, else in a `models/` folder of the working directory or one
+    /// above it (so notebooks under the checkout find the checkout's models).
+    pub fn default_model() -> Result<Self, BackendError> {
+        let mut tried = Vec::new();
+        let dirs = std::env::var_os("ART_MODELS_DIR")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain(std::env::current_dir().into_iter().flat_map(|cwd| {
+                cwd.ancestors()
+                    .map(|d| d.join("models"))
+                    .collect::<Vec<_>>()
+            }));
+        for dir in dirs {
+            let candidate = dir.join(DEFAULT_MODEL_FILE);
+            if candidate.is_file() {
+                return Ok(Self::new(candidate.display().to_string()));
+            }
+            tried.push(dir.display().to_string());
+        }
+        Err(BackendError::DefaultModelNotFound {
+            file: DEFAULT_MODEL_FILE.into(),
+            tried: tried.join(", "),
+        })
+    }
 }
+
+/// The embedded default model's file, as `scripts/fetch-models.sh` names it.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// `art serve` as a child process on a free loopback port, stopped when the last handle goes.
 #[derive(Clone)]
@@ -151,7 +185,11 @@ impl LocalBackend {
             ])
             .arg("--art-dir")
             .arg(&options.art_dir)
+            // The server exits when this pipe closes: when the backend is dropped, and also when
+            // this process is killed before it could drop it (a notebook kernel restarted).
+            .arg("--exit-with-stdin")
             .args(&options.extra_args)
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
@@ -211,7 +249,9 @@ impl Backend for LocalBackend {
     }
 }
 
-fn find_art_binary() -> Result<PathBuf, BackendError> {
+/// The `art` binary a [`LocalBackend`] starts: `$ART_BIN`, else next to this program (or one folder
+/// up), else on PATH. Public so that a notebook can start `art serve` itself (as a remote server).
+pub fn find_art_binary() -> Result<PathBuf, BackendError> {
     if let Some(path) = std::env::var_os("ART_BIN") {
         return Ok(PathBuf::from(path));
     }
@@ -535,7 +575,11 @@ impl Http {
         Http {
             base_url: base_url.trim_end_matches('/').to_string(),
             api_key,
-            client: reqwest::Client::new(),
+            // Without the pool's idle reaper, for notebooks: see `ChatEndpoint`'s client.
+            client: reqwest::Client::builder()
+                .pool_idle_timeout(None)
+                .build()
+                .expect("a reqwest client builds"),
         }
     }
 

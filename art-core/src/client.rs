@@ -79,12 +79,17 @@ impl ChatEndpoint {
     }
 
     fn build(base_url: String, api_key: Option<String>, model: String, timeout: Duration) -> Self {
+        // No idle timeout on pooled connections: its reaper is a background task that calls
+        // `tokio::time::sleep` from whichever runtime thread polls it, and in the ART kernel (evcxr
+        // compiles each cell on its own) those threads have no runtime context for that code: it
+        // panics with "no reactor running". Closed connections are noticed and replaced anyway.
         // async-openai sends an empty bearer token when no key is set; servers that need none ignore it.
         let config = OpenAIConfig::new()
             .with_api_base(&base_url)
             .with_api_key(api_key.clone().unwrap_or_default());
         let http = reqwest::Client::builder()
             .timeout(timeout)
+            .pool_idle_timeout(None)
             .build()
             .expect("a reqwest client with a timeout builds");
         let client = async_openai::Client::with_config(config).with_http_client(http);

@@ -116,7 +116,7 @@ impl Chart {
         {
             let root =
                 SVGBackend::with_string(&mut svg, (self.width, self.height)).into_drawing_area();
-            self.render(&root).map_err(draw_error)?;
+            self.draw(&root).map_err(draw_error)?;
             root.present().map_err(draw_error)?;
         }
         Ok(svg)
@@ -129,13 +129,13 @@ impl Chart {
         let mut rgb = vec![0u8; w as usize * h as usize * 3];
         {
             let root = BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area();
-            self.render(&root).map_err(draw_error)?;
+            self.draw(&root).map_err(draw_error)?;
             root.present().map_err(draw_error)?;
         }
         encode_png(&rgb, w, h).map_err(|e| PlotError::Png(e.to_string()))
     }
 
-    fn render<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult<DB> {
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult<DB> {
         root.fill(&WHITE)?;
         match &self.body {
             Body::Lines(lines) => self.draw_lines(root, lines),
@@ -526,5 +526,21 @@ pub fn reward_distribution_chart(groups: &[TrajectoryGroup]) -> Chart {
         width: 720,
         height: 400,
         body: Body::Strips(groups.iter().map(TrajectoryGroup::rewards).collect()),
+    }
+}
+
+impl crate::display::Render for Chart {
+    /// SVG (crisp at any zoom); a chart that fails to draw shows why instead.
+    fn render(&self) -> crate::display::MimeBundle {
+        let bundle = crate::display::MimeBundle::new();
+        match self.to_svg() {
+            Ok(svg) => bundle
+                .with("image/svg+xml", svg)
+                .with("text/plain", format!("<chart: {}>", self.title)),
+            Err(e) => bundle.with(
+                "text/plain",
+                format!("the chart `{}` could not be drawn: {e}", self.title),
+            ),
+        }
     }
 }

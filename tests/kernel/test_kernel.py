@@ -329,6 +329,28 @@ for step in 1..=3u64 {
         self.assertEqual(final["text/html"].count("<svg"), 2)
         self.assertEqual(final["text/html"].count("<circle"), 6)
 
+    def test_14_frames_and_charts_show_as_cell_results(self):
+        k = kernel()
+        code = r'''
+let group = TrajectoryGroup::new((0..3).map(|i| {
+    let mut t = Trajectory::new([Message::user("2+2?")]);
+    t.push_message(Message::assistant(format!("{}", 3 + i)));
+    t.reward = if i == 1 { 1.0 } else { 0.0 };
+    t
+}));
+let table = groups_frame(&[group.clone()]).unwrap();
+display::show(&table);
+plots::reward_distribution_chart(&[group])
+'''
+        reply, outputs = k.run(code)
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        table = of_type(outputs, "display_data")[0]["content"]["data"]
+        self.assertIn("art-table", table["text/html"])
+        self.assertIn("3 rows &times;", table["text/html"])
+        self.assertIn("reward", table["text/plain"])
+        chart = of_type(outputs, "execute_result")[0]["content"]["data"]
+        self.assertIn("<svg", chart["image/svg+xml"])
+
 
 def main():
     if not os.path.exists(KERNEL_BIN):

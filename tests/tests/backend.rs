@@ -167,17 +167,7 @@ async fn local_backend_serves_a_registered_model() {
 #[tokio::test(flavor = "multi_thread")]
 async fn remote_backend_trains_and_survives_a_killed_server() {
     let dir = TempDir::new("remote-backend");
-    let art = std::env::var_os("ART_BIN")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            std::env::current_exe()
-                .unwrap()
-                .parent()
-                .unwrap()
-                .parent()
-                .unwrap()
-                .join("art")
-        });
+    let art = art_binary();
     let model_dir = tiny_model(dir.path());
     let art_dir = dir.path().join(".art");
     let (mut child, url) = spawn_server(&art, &model_dir, &art_dir).await;
@@ -248,6 +238,46 @@ async fn remote_backend_trains_and_survives_a_killed_server() {
 }
 
 /// `art serve` as a child process with an API key; returns it and its URL.
+/// `art` as `cargo test --workspace` builds it (target/<profile>/art), or $ART_BIN.
+fn art_binary() -> std::path::PathBuf {
+    std::env::var_os("ART_BIN")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            let exe = std::env::current_exe().unwrap();
+            exe.parent().unwrap().parent().unwrap().join("art")
+        })
+}
+
+/// What a killed notebook kernel leaves behind: the server its LocalBackend started, whose stdin
+/// pipe closes without the backend being dropped. The server must not outlive it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_local_server_exits_when_its_stdin_closes() {
+    let dir = TempDir::new("exit-with-stdin");
+    let model_dir = tiny_model(dir.path());
+    let mut child = tokio::process::Command::new(art_binary())
+        .args(["serve", "--port", "0", "--exit-with-stdin", "--model"])
+        .arg(&model_dir)
+        .arg("--art-dir")
+        .arg(dir.path().join(".art"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("art serve starts");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    while let Some(line) = lines.next_line().await.unwrap() {
+        if line.contains("listening on ") {
+            break;
+        }
+    }
+    drop(child.stdin.take());
+    let status = tokio::time::timeout(std::time::Duration::from_secs(10), child.wait())
+        .await
+        .expect("the server exits within 10 s of its stdin closing")
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
+
 async fn spawn_server(
     art: &std::path::Path,
     model_dir: &std::path::Path,

@@ -52,6 +52,11 @@ struct ServeArgs {
     /// Where trained models, their history and checkpoints are kept.
     #[arg(long, default_value = ".art", env = "ART_DIR")]
     art_dir: PathBuf,
+    /// Exit when standard input closes. `LocalBackend` starts the server with it, so the server
+    /// ends with the program that started it even when that program is killed (a notebook kernel
+    /// restarted or shut down).
+    #[arg(long)]
+    exit_with_stdin: bool,
 }
 
 fn device(name: &str) -> anyhow::Result<art_core::engine::Device> {
@@ -70,10 +75,22 @@ fn device(name: &str) -> anyhow::Result<art_core::engine::Device> {
     }
 }
 
+/// Reads standard input to its end on a thread of its own, then exits the process.
+fn exit_when_stdin_closes() {
+    std::thread::spawn(|| {
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+        eprintln!("art serve: standard input closed (the program that started this server ended); exiting");
+        std::process::exit(0);
+    });
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Serve(args) => {
+            if args.exit_with_stdin {
+                exit_when_stdin_closes();
+            }
             let load = art_core::engine::LoadOptions {
                 device: device(&args.device)?,
                 ..Default::default()

@@ -52,6 +52,15 @@ details.art-msg>summary{cursor:pointer;list-style-position:inside}
 .art-bar>span{display:block;height:100%;border-radius:3px}
 .art-progress{min-width:320px;max-width:640px}
 .art-img{max-width:260px;max-height:200px;border-radius:4px;margin-top:4px}
+.art-table-wrap{overflow:auto;max-height:36em;margin-top:4px}
+table.art-table{border-collapse:collapse;font-size:12.5px}
+.art-table th,.art-table td{border-bottom:1px solid var(--art-border);padding:3px 10px;text-align:left;vertical-align:top}
+.art-table th{position:sticky;top:0;background:var(--jp-layout-color1,Canvas);font-weight:650}
+.art-table tbody tr:nth-child(even){background:rgba(127,127,127,.05)}
+.art-table td.art-num{text-align:right;font-variant-numeric:tabular-nums}
+.art-table td.art-str{max-width:40em;white-space:pre-wrap;overflow-wrap:anywhere}
+.art-table td.art-null,.art-table td.art-gap{color:var(--art-muted);font-style:italic}
+.art-dtype{font-weight:400;font-size:11px;color:var(--art-muted)}
 </style>"#;
 
 /// Escapes text for HTML element content and attribute values.

@@ -16,13 +16,15 @@
 //! }
 //! ```
 //!
-//! Types with a rich view implement [`Render`]; [`show`] displays any of them, and the last
-//! expression of a cell shows richly through evcxr's `evcxr_display` convention (implemented here
-//! for [`Trajectory`](crate::Trajectory) and [`TrajectoryGroup`](crate::TrajectoryGroup)). Other
-//! modules (data frames, plots) plug in by implementing [`Render`].
+//! Types with a rich view implement [`Render`]: trajectories and groups (transcripts), polars
+//! DataFrames (tables), [`Chart`](crate::Chart)s (SVG), and the wrappers below. [`show`] displays
+//! any of them, and the last expression of a cell shows richly through evcxr's `evcxr_display`
+//! convention, which [`RichDisplay`] provides for every `Render` type.
 
 mod html;
 mod progress;
+#[cfg(feature = "frames")]
+mod table;
 mod training;
 pub mod wire;
 
@@ -282,28 +284,19 @@ pub fn base64(bytes: &[u8]) -> String {
     out
 }
 
-/// Implements `evcxr_display` (evcxr's convention for the last expression of a cell) through
-/// [`Render`].
-macro_rules! evcxr_display_via_render {
-    ($($type:ty),* $(,)?) => {
-        $(impl $type {
-            /// Shows the value richly when it is the last expression of a notebook cell.
-            pub fn evcxr_display(&self) {
-                $crate::display::evcxr_display(&$crate::display::Render::render(self));
-            }
-        })*
-    };
+/// evcxr's convention for the last expression of a cell: when it has an `evcxr_display` method,
+/// the kernel calls it. Every [`Render`] type gets one through this trait (the ART kernel's
+/// prelude imports it), foreign ones like polars' `DataFrame` included.
+pub trait RichDisplay {
+    /// Shows the value richly as the result of a notebook cell.
+    fn evcxr_display(&self);
 }
 
-evcxr_display_via_render!(
-    Html,
-    Svg,
-    Png,
-    Markdown,
-    MimeBundle,
-    crate::Trajectory,
-    crate::TrajectoryGroup,
-);
+impl<T: Render + ?Sized> RichDisplay for T {
+    fn evcxr_display(&self) {
+        evcxr_display(&self.render());
+    }
+}
 
 #[cfg(test)]
 mod tests {

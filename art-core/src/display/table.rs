@@ -1,0 +1,126 @@
+//! The rich view of a polars DataFrame: an HTML table that reads well in notebooks (column types
+//! under the names, numbers right-aligned, long text and tall frames cut).
+
+use std::fmt::Write;
+
+use polars_core::prelude::{AnyValue, DataFrame};
+
+use super::html::{escape_html, format_number, STYLE};
+use super::{MimeBundle, Render};
+
+/// Frames taller than this show their first and last rows around an ellipsis row (as polars'
+/// own printout does), so a 10,000-row frame does not freeze the front end.
+const MAX_ROWS: usize = 40;
+/// Rows shown from the end of a frame that is cut.
+const TAIL_ROWS: usize = 5;
+/// Text cells longer than this are cut (a rollout's whole answer belongs in its transcript).
+const MAX_CELL_CHARS: usize = 160;
+
+impl Render for DataFrame {
+    fn render(&self) -> MimeBundle {
+        MimeBundle::new()
+            .with("text/html", frame_html(self))
+            .with("text/plain", self.to_string())
+    }
+}
+
+fn frame_html(frame: &DataFrame) -> String {
+    let (height, width) = frame.shape();
+    let mut html = format!(
+        r#"{STYLE}<div class="art-root"><div class="art-chip">{height} rows &times; {width} columns</div><div class="art-table-wrap"><table class="art-table"><thead><tr>"#
+    );
+    for column in frame.columns() {
+        let _ = write!(
+            html,
+            r#"<th>{}<div class="art-dtype">{}</div></th>"#,
+            escape_html(column.name()),
+            escape_html(&column.dtype().to_string())
+        );
+    }
+    html.push_str("</tr></thead><tbody>");
+    for row in shown_rows(height) {
+        let Some(row) = row else {
+            let _ = write!(
+                html,
+                r#"<tr><td class="art-gap" colspan="{width}">&hellip;</td></tr>"#
+            );
+            continue;
+        };
+        html.push_str("<tr>");
+        for column in frame.columns() {
+            let cell = column.get(row).map(|v| cell_html(&v)).unwrap_or_default();
+            html.push_str(&cell);
+        }
+        html.push_str("</tr>");
+    }
+    html.push_str("</tbody></table></div></div>");
+    html
+}
+
+/// The row indices to show; `None` marks the cut.
+fn shown_rows(height: usize) -> Vec<Option<usize>> {
+    if height <= MAX_ROWS {
+        return (0..height).map(Some).collect();
+    }
+    let head = MAX_ROWS - TAIL_ROWS;
+    (0..head)
+        .map(Some)
+        .chain([None])
+        .chain((height - TAIL_ROWS..height).map(Some))
+        .collect()
+}
+
+fn cell_html(value: &AnyValue) -> String {
+    let (class, text) = match value {
+        AnyValue::Null => ("art-null", "null".to_string()),
+        AnyValue::String(s) => ("art-str", cut(s)),
+        AnyValue::StringOwned(s) => ("art-str", cut(s)),
+        AnyValue::Float32(x) => ("art-num", format_number(f64::from(*x))),
+        AnyValue::Float64(x) => ("art-num", format_number(*x)),
+        AnyValue::Boolean(b) => ("", b.to_string()),
+        other if other.is_primitive_numeric() => ("art-num", other.to_string()),
+        other => ("", cut(&other.to_string())),
+    };
+    format!(r#"<td class="{class}">{}</td>"#, escape_html(&text))
+}
+
+fn cut(text: &str) -> String {
+    match text.char_indices().nth(MAX_CELL_CHARS) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use polars_core::prelude::*;
+
+    #[test]
+    fn frames_render_as_tables_with_types_and_escaped_text() {
+        let frame = df!(
+            "reward" => [0.5f64, 1.0],
+            "answer" => ["<b>7</b>", "x".repeat(400).as_str()],
+            "ok" => [true, false],
+        )
+        .unwrap();
+        let bundle = frame.render();
+        let html = bundle.get("text/html").unwrap().as_str().unwrap();
+        assert!(html.contains("2 rows &times; 3 columns"), "{html}");
+        assert!(html.contains("<th>reward<div class=\"art-dtype\">f64</div></th>"));
+        assert!(html.contains("&lt;b&gt;7&lt;/b&gt;") && !html.contains("<b>7</b>"));
+        assert!(html.contains(&format!("{}…", "x".repeat(MAX_CELL_CHARS))));
+        assert!(!html.contains(&"x".repeat(MAX_CELL_CHARS + 1)));
+        assert!(html.contains(r#"<td class="art-num">0.5</td>"#));
+        assert!(bundle.text().contains("reward"));
+    }
+
+    #[test]
+    fn tall_frames_are_cut_in_the_middle() {
+        let rows = shown_rows(1000);
+        assert_eq!(rows.len(), MAX_ROWS + 1);
+        assert_eq!(rows[MAX_ROWS - TAIL_ROWS], None);
+        assert_eq!(rows.last(), Some(&Some(999)));
+        assert_eq!(shown_rows(3), vec![Some(0), Some(1), Some(2)]);
+    }
+}
