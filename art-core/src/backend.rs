@@ -567,7 +567,6 @@ struct TrainRequestRef<'a> {
 struct Http {
     base_url: String,
     api_key: Option<String>,
-    client: reqwest::Client,
 }
 
 impl Http {
@@ -575,28 +574,32 @@ impl Http {
         Http {
             base_url: base_url.trim_end_matches('/').to_string(),
             api_key,
-            // Without the pool's idle reaper, for notebooks: see `ChatEndpoint`'s client.
-            client: reqwest::Client::builder()
-                .pool_idle_timeout(None)
-                .build()
-                .expect("a reqwest client builds"),
         }
     }
 
+    /// A client for one request, made where it is used (see `ChatEndpoint::client` for why
+    /// clients are not kept).
+    fn client(&self) -> reqwest::Client {
+        reqwest::Client::builder()
+            .pool_idle_timeout(None)
+            .build()
+            .expect("a reqwest client builds")
+    }
+
     async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, BackendError> {
-        self.send(self.client.get(format!("{}{path}", self.base_url)))
+        self.send(self.client().get(format!("{}{path}", self.base_url)))
             .await
     }
 
     /// A path outside `/v1` (such as `/health`).
     async fn get_root<T: DeserializeOwned>(&self, path: &str) -> Result<T, BackendError> {
         let root = self.base_url.trim_end_matches("/v1");
-        self.send(self.client.get(format!("{root}{path}"))).await
+        self.send(self.client().get(format!("{root}{path}"))).await
     }
 
     fn json_post(&self, path: &str, body: &impl Serialize) -> reqwest::RequestBuilder {
         let body = serde_json::to_vec(body).expect("request bodies serialize");
-        self.client
+        self.client()
             .post(format!("{}{path}", self.base_url))
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(body)

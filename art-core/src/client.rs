@@ -16,7 +16,6 @@ pub struct ChatEndpoint {
     api_key: Option<String>,
     model: String,
     timeout: Duration,
-    client: async_openai::Client<OpenAIConfig>,
 }
 
 impl std::fmt::Debug for ChatEndpoint {
@@ -79,27 +78,31 @@ impl ChatEndpoint {
     }
 
     fn build(base_url: String, api_key: Option<String>, model: String, timeout: Duration) -> Self {
-        // No idle timeout on pooled connections: its reaper is a background task that calls
-        // `tokio::time::sleep` from whichever runtime thread polls it, and in the ART kernel (evcxr
-        // compiles each cell on its own) those threads have no runtime context for that code: it
-        // panics with "no reactor running". Closed connections are noticed and replaced anyway.
-        // async-openai sends an empty bearer token when no key is set; servers that need none ignore it.
-        let config = OpenAIConfig::new()
-            .with_api_base(&base_url)
-            .with_api_key(api_key.clone().unwrap_or_default());
-        let http = reqwest::Client::builder()
-            .timeout(timeout)
-            .pool_idle_timeout(None)
-            .build()
-            .expect("a reqwest client with a timeout builds");
-        let client = async_openai::Client::with_config(config).with_http_client(http);
         ChatEndpoint {
             base_url,
             api_key,
             model,
             timeout,
-            client,
         }
+    }
+
+    /// A client for one request. Clients are not kept: in the ART kernel each cell is compiled
+    /// on its own with its own copy of tokio, and a client made in one cell spawns its connection
+    /// tasks through that cell's copy, which in a later cell finds no runtime ("there is no
+    /// reactor running"). A client made where it is used always matches the running cell.
+    fn client(&self) -> async_openai::Client<OpenAIConfig> {
+        // async-openai sends an empty bearer token when no key is set; servers that need none ignore it.
+        let config = OpenAIConfig::new()
+            .with_api_base(&self.base_url)
+            .with_api_key(self.api_key.clone().unwrap_or_default());
+        // No idle timeout on pooled connections: its reaper is a task that calls tokio's timer
+        // from a runtime thread, where (in the kernel) this cell's tokio has no context.
+        let http = reqwest::Client::builder()
+            .timeout(self.timeout)
+            .pool_idle_timeout(None)
+            .build()
+            .expect("a reqwest client with a timeout builds");
+        async_openai::Client::with_config(config).with_http_client(http)
     }
 
     pub fn base_url(&self) -> &str {
@@ -112,7 +115,7 @@ impl ChatEndpoint {
 
     /// An async-openai client bound to this endpoint, for code written against async-openai's types.
     pub fn openai_client(&self) -> async_openai::Client<OpenAIConfig> {
-        self.client.clone()
+        self.client()
     }
 
     /// Sends one (non-streaming) chat completion request. An empty `model` in the request is
@@ -125,7 +128,7 @@ impl ChatEndpoint {
             request.model = self.model.clone();
         }
         request.stream = None;
-        self.client
+        self.client()
             .chat()
             .create_byot(request)
             .await

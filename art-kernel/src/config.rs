@@ -191,8 +191,11 @@ pub fn acquire_slot(cache_dir: &Path) -> Result<Slot> {
     anyhow::bail!("all 64 build slots under {} are in use", slots.display())
 }
 
-/// Copies a directory tree as hard links (falling back to copies), keeping modification times so
-/// that cargo sees the artifacts as fresh.
+/// Copies a directory tree for a new slot, keeping modification times so that cargo sees the
+/// artifacts as fresh. Compiled dependencies (`.rlib`, `.rmeta`) are hard links: no one rewrites
+/// them. Everything else is copied: evcxr and cargo rewrite their files in place (the cell
+/// crate's Cargo.toml, its libraries, fingerprints), and a file shared with another slot would
+/// change under a kernel compiling or running there.
 fn link_tree(from: &Path, to: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(to)?;
     for entry in std::fs::read_dir(from)? {
@@ -204,16 +207,44 @@ fn link_tree(from: &Path, to: &Path) -> std::io::Result<()> {
         } else if kind.is_symlink() {
             let link = std::fs::read_link(entry.path())?;
             std::os::unix::fs::symlink(link, &target)?;
-        } else if std::fs::hard_link(entry.path(), &target).is_err() {
+        } else if !is_dependency_artifact(&entry.file_name().to_string_lossy())
+            || std::fs::hard_link(entry.path(), &target).is_err()
+        {
             std::fs::copy(entry.path(), &target)?;
         }
     }
     Ok(())
 }
 
+/// A compiled dependency, never rebuilt in a warm slot (evcxr's own cell crates, `ctx` and the
+/// `evcxr_*` helpers, are rebuilt by every cell).
+fn is_dependency_artifact(name: &str) -> bool {
+    (name.ends_with(".rlib") || name.ends_with(".rmeta"))
+        && !name.starts_with("libctx")
+        && !name.starts_with("libevcxr")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn new_slots_share_only_compiled_dependencies() {
+        assert!(is_dependency_artifact(
+            "libpolars_core-ef294e35e92eba02.rlib"
+        ));
+        assert!(is_dependency_artifact("libtokio-585c545a69bd82ca.rmeta"));
+        for own in [
+            "Cargo.toml",
+            "Cargo.lock",
+            "lib.rs",
+            "libctx.rlib",
+            "libcode_3.so",
+            "libevcxr_dummy_validate_dep.rmeta",
+        ] {
+            assert!(!is_dependency_artifact(own), "{own}");
+        }
+    }
 
     #[test]
     fn prelude_loads_art_core_tokio_and_async_mode() {
