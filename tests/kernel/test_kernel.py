@@ -340,7 +340,7 @@ let group = TrajectoryGroup::new((0..3).map(|i| {
 }));
 let table = groups_frame(&[group.clone()]).unwrap();
 display::show(&table);
-plots::reward_distribution_chart(&[group])
+plots::reward_distribution_chart(&[group.clone()])
 '''
         reply, outputs = k.run(code)
         self.assertEqual(reply["content"]["status"], "ok", reply["content"])
@@ -349,6 +349,7 @@ plots::reward_distribution_chart(&[group])
         self.assertIn("3 rows &times;", table["text/html"])
         self.assertIn("reward", table["text/plain"])
         chart = of_type(outputs, "execute_result")[0]["content"]["data"]
+        self.assertIn("image/svg+xml", chart, chart)
         self.assertIn("<svg", chart["image/svg+xml"])
 
 
