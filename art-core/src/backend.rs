@@ -580,10 +580,7 @@ impl Http {
     /// A client for one request, made where it is used (see `ChatEndpoint::client` for why
     /// clients are not kept).
     fn client(&self) -> reqwest::Client {
-        reqwest::Client::builder()
-            .pool_idle_timeout(None)
-            .build()
-            .expect("a reqwest client builds")
+        crate::client::request_client(None)
     }
 
     async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, BackendError> {

@@ -43,6 +43,19 @@ pub enum ClientError {
     BadResponse { url: String, message: String },
 }
 
+/// The HTTP client of one request (see `ChatEndpoint::client` for why none is kept). No idle
+/// timeout on pooled connections: its reaper is a task that calls tokio's timer from a runtime
+/// thread, where (in the kernel) the cell's tokio has no context.
+pub(crate) fn request_client(timeout: Option<Duration>) -> reqwest::Client {
+    let builder = reqwest::Client::builder().pool_idle_timeout(None);
+    match timeout {
+        Some(timeout) => builder.timeout(timeout),
+        None => builder,
+    }
+    .build()
+    .expect("a reqwest client builds")
+}
+
 impl ChatEndpoint {
     /// An endpoint at `base_url` (for example `http://127.0.0.1:8000/v1`) serving `model`.
     pub fn new(base_url: impl Into<String>, model: impl Into<String>) -> Self {
@@ -95,14 +108,8 @@ impl ChatEndpoint {
         let config = OpenAIConfig::new()
             .with_api_base(&self.base_url)
             .with_api_key(self.api_key.clone().unwrap_or_default());
-        // No idle timeout on pooled connections: its reaper is a task that calls tokio's timer
-        // from a runtime thread, where (in the kernel) this cell's tokio has no context.
-        let http = reqwest::Client::builder()
-            .timeout(self.timeout)
-            .pool_idle_timeout(None)
-            .build()
-            .expect("a reqwest client with a timeout builds");
-        async_openai::Client::with_config(config).with_http_client(http)
+        async_openai::Client::with_config(config)
+            .with_http_client(request_client(Some(self.timeout)))
     }
 
     pub fn base_url(&self) -> &str {

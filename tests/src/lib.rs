@@ -54,7 +54,7 @@ pub fn smollm2() -> Option<PathBuf> {
     let dir = std::env::var_os("ART_MODELS_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
-    let path = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = dir.join(art_core::backend::DEFAULT_MODEL_FILE);
     if path.is_file() {
         Some(path)
     } else {
