@@ -69,7 +69,7 @@ fn device(name: &str) -> anyhow::Result<art_core::engine::Device> {
                 .map(str::parse)
                 .transpose()?
                 .unwrap_or(0);
-            Ok(Device::new_cuda(ordinal)?)
+            Ok(art_core::engine::cuda_device(ordinal)?)
         }
         other => anyhow::bail!("unknown device `{other}`: use cpu, cuda or cuda:N"),
     }

@@ -190,12 +190,19 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(all)
 }
 
-struct SafetensorsWeights {
+/// Named dense tensors in memory, cast to the compute dtype as the model takes them.
+pub(crate) struct MapWeights {
     tensors: HashMap<String, Tensor>,
     dtype: DType,
 }
 
-impl SafetensorsWeights {
+type SafetensorsWeights = MapWeights;
+
+impl MapWeights {
+    pub(crate) fn new(tensors: HashMap<String, Tensor>, dtype: DType) -> Self {
+        MapWeights { tensors, dtype }
+    }
+
     fn open(dir: &Path, device: &Device, dtype: DType) -> Result<Self> {
         let mut tensors = HashMap::new();
         for file in safetensors_files(dir)? {
@@ -213,7 +220,7 @@ impl SafetensorsWeights {
     }
 }
 
-impl WeightSource for SafetensorsWeights {
+impl WeightSource for MapWeights {
     fn tensor(&mut self, name: &str) -> Result<Tensor> {
         let t = self.tensors.get(name).ok_or_else(|| {
             EngineError::Weights(format!("the safetensors files have no tensor `{name}`"))

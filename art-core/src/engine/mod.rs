@@ -21,7 +21,9 @@
 pub mod chat_template;
 mod config;
 mod constraint;
+mod cuda_decode;
 mod error;
+mod gpu;
 pub mod hub;
 mod linear;
 mod load;
@@ -45,6 +47,7 @@ pub use candle_nn;
 pub use config::{Architecture, ModelConfig};
 pub use constraint::Constraint;
 pub use error::{EngineError, Result};
+pub use gpu::{cuda_device, gpu_memory, PeakMemory};
 pub use linear::Linear;
 pub use load::{load, LoadOptions, LoadedModel, ModelSource};
 pub use lora::{LoraAdapter, LoraPair, Proj};

@@ -13,6 +13,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use super::config::ModelConfig;
+use super::cuda_decode::{self, DecodePlan};
 use super::error::{EngineError, Result};
 use super::linear::Linear;
 use super::lora::{LoraAdapter, Proj};
@@ -221,24 +222,39 @@ impl LayerKv {
     /// cached so far, `[1, kv, start + L, hd]`.
     fn append(&mut self, start: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let new_len = start + k.dim(2)?;
+        let (_, kv, _, hd) = k.dims4()?;
+        self.reserve(new_len, kv, hd, k.dtype(), k.device())?;
+        let (kb, vb) = (self.k.as_ref().unwrap(), self.v.as_ref().unwrap());
+        kb.slice_set(&k.contiguous()?, 2, start)?;
+        vb.slice_set(&v.contiguous()?, 2, start)?;
+        Ok((kb.narrow(2, 0, new_len)?, vb.narrow(2, 0, new_len)?))
+    }
+}
+
+impl LayerKv {
+    /// Makes room for `len` positions (`[1, kv, >= len, hd]` buffers), keeping what is cached.
+    fn reserve(
+        &mut self,
+        len: usize,
+        kv: usize,
+        hd: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<()> {
         let capacity = self.k.as_ref().map(|t| t.dim(2)).transpose()?.unwrap_or(0);
-        if new_len > capacity {
-            let new_capacity = new_len.max(2 * capacity).max(64);
-            let grow = |old: &Option<Tensor>, like: &Tensor| -> Result<Tensor> {
-                let (b, h, _, d) = like.dims4()?;
-                let buf = Tensor::zeros((b, h, new_capacity, d), like.dtype(), like.device())?;
+        if len > capacity {
+            let new_capacity = len.max(2 * capacity).max(64);
+            let grow = |old: &Option<Tensor>| -> Result<Tensor> {
+                let buf = Tensor::zeros((1, kv, new_capacity, hd), dtype, device)?;
                 if let Some(old) = old {
                     buf.slice_set(old, 2, 0)?;
                 }
                 Ok(buf)
             };
-            self.k = Some(grow(&self.k, k)?);
-            self.v = Some(grow(&self.v, v)?);
+            self.k = Some(grow(&self.k)?);
+            self.v = Some(grow(&self.v)?);
         }
-        let (kb, vb) = (self.k.as_ref().unwrap(), self.v.as_ref().unwrap());
-        kb.slice_set(&k.contiguous()?, 2, start)?;
-        vb.slice_set(&v.contiguous()?, 2, start)?;
-        Ok((kb.narrow(2, 0, new_len)?, vb.narrow(2, 0, new_len)?))
+        Ok(())
     }
 }
 
@@ -281,6 +297,7 @@ impl Attention {
         x: &Tensor,
         rope: &RopeTables,
         caches: Option<&mut [&mut KvCache]>,
+        plan: Option<&DecodePlan>,
         fwd: &Forward,
     ) -> Result<Tensor> {
         let (b, l, _) = x.dims3()?;
@@ -302,15 +319,17 @@ impl Attention {
         // Fold the softmax scale into q once.
         let q = (q * (1.0 / (hd as f64).sqrt()))?;
 
-        let out = match caches {
-            None if q.track_op() && ops::supported(&q) => self.attend_causal(&q, &k, &v)?,
-            None => {
+        let out = match (caches, plan) {
+            // One token per sequence, no gradient, on CUDA: two kernels for the whole batch.
+            (Some(_), Some(plan)) => cuda_decode::attend(plan, self.layer, &q, &k, &v)?,
+            (None, _) if q.track_op() && ops::supported(&q) => self.attend_causal(&q, &k, &v)?,
+            (None, _) => {
                 let mask = (l > 1)
                     .then(|| causal_mask(l, 0, q.dtype(), q.device()))
                     .transpose()?;
                 self.attend(&q, &k, &v, mask.as_ref())?
             }
-            Some(caches) => {
+            (Some(caches), None) => {
                 let mut rows = Vec::with_capacity(b);
                 for (i, cache) in caches.iter_mut().enumerate() {
                     let start = cache.len;
@@ -400,10 +419,11 @@ impl DecoderLayer {
         x: &Tensor,
         rope: &RopeTables,
         caches: Option<&mut [&mut KvCache]>,
+        plan: Option<&DecodePlan>,
         fwd: &Forward,
     ) -> Result<Tensor> {
         let h = self.input_layernorm.forward(x)?;
-        let x = (x + self.self_attn.forward(&h, rope, caches, fwd)?)?;
+        let x = (x + self.self_attn.forward(&h, rope, caches, plan, fwd)?)?;
         let h = self.post_attention_layernorm.forward(&x)?;
         Ok((&x + self.mlp.forward(&h, fwd)?)?)
     }
@@ -607,7 +627,7 @@ impl Model {
             .tables(&vec![0; b], l, self.dtype, &self.device)?;
         let mut x = self.embed(input_ids)?;
         for layer in &self.layers {
-            x = layer.forward(&x, &rope, None, fwd)?;
+            x = layer.forward(&x, &rope, None, None, fwd)?;
         }
         Ok(x)
     }
@@ -632,9 +652,17 @@ impl Model {
         }
         let starts: Vec<usize> = caches.iter().map(|c| c.len).collect();
         let rope = self.rotary.tables(&starts, l, self.dtype, &self.device)?;
+        let plan = if l == 1
+            && !fwd.train
+            && cuda_decode::available(&self.device, self.dtype, self.config.head_dim)
+        {
+            self.decode_plan(caches)?
+        } else {
+            None
+        };
         let mut x = self.embed(input_ids)?;
         for layer in &self.layers {
-            x = layer.forward(&x, &rope, Some(&mut *caches), &fwd)?;
+            x = layer.forward(&x, &rope, Some(&mut *caches), plan.as_ref(), &fwd)?;
         }
         for cache in caches.iter_mut() {
             cache.len += l;
@@ -643,6 +671,41 @@ impl Model {
             x = x.narrow(1, l - 1, 1)?;
         }
         self.head(&x, &fwd)
+    }
+}
+
+impl Model {
+    /// Makes room for one more token in every cache and uploads the table of cache addresses
+    /// that the CUDA decode kernels read ([`cuda_decode`]). `None` when a cache is too long for
+    /// them (the composite path runs instead).
+    fn decode_plan(&self, caches: &mut [&mut KvCache]) -> Result<Option<DecodePlan>> {
+        let max_len = caches.iter().map(|c| c.len + 1).max().unwrap_or(1);
+        if max_len > cuda_decode::MAX_LEN {
+            return Ok(None);
+        }
+        let (kv, hd) = (self.config.num_key_value_heads, self.config.head_dim);
+        let (b, layers) = (caches.len(), self.layers.len());
+        let mut table = vec![0i64; 2 * layers * b + 2 * b];
+        for (row, cache) in caches.iter_mut().enumerate() {
+            let len = cache.len;
+            for (l, layer) in cache.layers.iter_mut().enumerate() {
+                layer.reserve(len + 1, kv, hd, self.dtype, &self.device)?;
+                let k = layer.k.as_ref().expect("reserved");
+                let v = layer.v.as_ref().expect("reserved");
+                table[2 * l * b + row] = cuda_decode::device_address(k)? as i64;
+                table[(2 * l + 1) * b + row] = cuda_decode::device_address(v)? as i64;
+            }
+            let capacity = cache.layers[0].k.as_ref().expect("reserved").dim(2)?;
+            table[2 * layers * b + row] = len as i64;
+            table[2 * layers * b + b + row] = capacity as i64;
+        }
+        let n = table.len();
+        Ok(Some(DecodePlan {
+            table: Tensor::from_vec(table, n, &self.device)?,
+            layers,
+            batch: b,
+            max_len,
+        }))
     }
 }
 

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -15,8 +15,11 @@ use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
-use super::config::Architecture;
+use super::config::{Architecture, ModelConfig};
 use super::error::{EngineError, Result};
+use super::load::{LoadedModel, MapWeights};
+use super::model::Model;
+use super::tokenizer::TokenizerInfo;
 
 /// The shape of a random model.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,137 +91,146 @@ impl RandomModelSpec {
         })
     }
 
-    /// Random weights, Hugging Face-named, reproducible from `seed`.
-    pub fn weights(&self, seed: u64, device: &Device) -> Result<HashMap<String, Tensor>> {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let mut out = HashMap::new();
-        let mut put = |name: String, shape: &[usize], lo: f32, hi: f32, rng: &mut StdRng| {
-            let n: usize = shape.iter().product();
-            let data: Vec<f32> = (0..n).map(|_| rng.random_range(lo..hi)).collect();
-            Tensor::from_vec(data, shape, device).map(|t| out.insert(name, t))
-        };
+    /// Every weight tensor: its Hugging Face name, shape, and the uniform range its values are
+    /// drawn from, in drawing order.
+    fn tensor_specs(&self) -> Vec<(String, Vec<usize>, f32, f32)> {
         let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
         let lin = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
-        put(
-            "model.embed_tokens.weight".into(),
-            &[v, h],
+        let mut specs = vec![(
+            "model.embed_tokens.weight".to_string(),
+            vec![v, h],
             -1.0,
             1.0,
-            &mut rng,
-        )?;
+        )];
         for l in 0..self.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            put(
-                format!("{p}.input_layernorm.weight"),
-                &[h],
-                0.8,
-                1.2,
-                &mut rng,
-            )?;
-            put(
-                format!("{p}.post_attention_layernorm.weight"),
-                &[h],
-                0.8,
-                1.2,
-                &mut rng,
-            )?;
-            put(
-                format!("{p}.self_attn.q_proj.weight"),
-                &[q, h],
-                -lin(h),
-                lin(h),
-                &mut rng,
-            )?;
-            put(
-                format!("{p}.self_attn.k_proj.weight"),
-                &[kv, h],
-                -lin(h),
-                lin(h),
-                &mut rng,
-            )?;
-            put(
-                format!("{p}.self_attn.v_proj.weight"),
-                &[kv, h],
-                -lin(h),
-                lin(h),
-                &mut rng,
-            )?;
-            put(
-                format!("{p}.self_attn.o_proj.weight"),
-                &[h, q],
-                -lin(q),
-                lin(q),
-                &mut rng,
-            )?;
+            let mut put = |name: &str, shape: Vec<usize>, lo: f32, hi: f32| {
+                specs.push((format!("{p}.{name}"), shape, lo, hi))
+            };
+            put("input_layernorm.weight", vec![h], 0.8, 1.2);
+            put("post_attention_layernorm.weight", vec![h], 0.8, 1.2);
+            put("self_attn.q_proj.weight", vec![q, h], -lin(h), lin(h));
+            put("self_attn.k_proj.weight", vec![kv, h], -lin(h), lin(h));
+            put("self_attn.v_proj.weight", vec![kv, h], -lin(h), lin(h));
+            put("self_attn.o_proj.weight", vec![h, q], -lin(q), lin(q));
             if self.architecture == Architecture::Qwen2 {
-                put(
-                    format!("{p}.self_attn.q_proj.bias"),
-                    &[q],
-                    -0.5,
-                    0.5,
-                    &mut rng,
-                )?;
-                put(
-                    format!("{p}.self_attn.k_proj.bias"),
-                    &[kv],
-                    -0.5,
-                    0.5,
-                    &mut rng,
-                )?;
-                put(
-                    format!("{p}.self_attn.v_proj.bias"),
-                    &[kv],
-                    -0.5,
-                    0.5,
-                    &mut rng,
-                )?;
+                put("self_attn.q_proj.bias", vec![q], -0.5, 0.5);
+                put("self_attn.k_proj.bias", vec![kv], -0.5, 0.5);
+                put("self_attn.v_proj.bias", vec![kv], -0.5, 0.5);
             }
             if self.architecture == Architecture::Qwen3 {
                 let d = self.head_dim;
-                put(
-                    format!("{p}.self_attn.q_norm.weight"),
-                    &[d],
-                    0.8,
-                    1.2,
-                    &mut rng,
-                )?;
-                put(
-                    format!("{p}.self_attn.k_norm.weight"),
-                    &[d],
-                    0.8,
-                    1.2,
-                    &mut rng,
-                )?;
+                put("self_attn.q_norm.weight", vec![d], 0.8, 1.2);
+                put("self_attn.k_norm.weight", vec![d], 0.8, 1.2);
             }
-            put(
-                format!("{p}.mlp.gate_proj.weight"),
-                &[i, h],
-                -lin(h),
-                lin(h),
-                &mut rng,
-            )?;
-            put(
-                format!("{p}.mlp.up_proj.weight"),
-                &[i, h],
-                -lin(h),
-                lin(h),
-                &mut rng,
-            )?;
-            put(
-                format!("{p}.mlp.down_proj.weight"),
-                &[h, i],
-                -lin(i),
-                lin(i),
-                &mut rng,
-            )?;
+            put("mlp.gate_proj.weight", vec![i, h], -lin(h), lin(h));
+            put("mlp.up_proj.weight", vec![i, h], -lin(h), lin(h));
+            put("mlp.down_proj.weight", vec![h, i], -lin(i), lin(i));
         }
-        put("model.norm.weight".into(), &[h], 0.8, 1.2, &mut rng)?;
+        specs.push(("model.norm.weight".into(), vec![h], 0.8, 1.2));
         if !self.tie_word_embeddings {
-            put("lm_head.weight".into(), &[v, h], -lin(h), lin(h), &mut rng)?;
+            specs.push(("lm_head.weight".into(), vec![v, h], -lin(h), lin(h)));
+        }
+        specs
+    }
+
+    /// Random weights, Hugging Face-named, reproducible from `seed`.
+    pub fn weights(&self, seed: u64, device: &Device) -> Result<HashMap<String, Tensor>> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut out = HashMap::new();
+        for (name, shape, lo, hi) in self.tensor_specs() {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = (0..n).map(|_| rng.random_range(lo..hi)).collect();
+            out.insert(name, Tensor::from_vec(data, shape, device)?);
         }
         Ok(out)
+    }
+
+    /// Random weights drawn on `device` itself (CUDA's generator on a GPU), in `dtype`: seconds
+    /// for billions of parameters, where [`RandomModelSpec::weights`] draws on the CPU. Same
+    /// ranges, different values (and not reproducible across devices).
+    pub fn weights_on_device(
+        &self,
+        seed: u64,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<HashMap<String, Tensor>> {
+        if !device.is_cpu() {
+            // candle's CPU generator cannot be seeded: CPU draws differ from run to run.
+            device.set_seed(seed)?;
+        }
+        let mut out = HashMap::new();
+        for (name, shape, lo, hi) in self.tensor_specs() {
+            let t = Tensor::rand(lo, hi, shape, device)?.to_dtype(dtype)?;
+            out.insert(name, t);
+        }
+        Ok(out)
+    }
+
+    /// The Qwen2.5 shapes by name (`qwen2.5-0.5b`, `qwen2.5-1.5b`, `qwen2.5-7b`), or `tiny`
+    /// (Qwen2).
+    pub fn named(name: &str) -> Option<Self> {
+        let mut spec = RandomModelSpec::tiny(Architecture::Qwen2);
+        let (hidden, inter, layers, heads, kv, vocab, tied) = match name {
+            "tiny" => return Some(spec),
+            "qwen2.5-0.5b" => (896, 4864, 24, 14, 2, 151_936, true),
+            "qwen2.5-1.5b" => (1536, 8960, 28, 12, 2, 151_936, true),
+            "qwen2.5-7b" => (3584, 18_944, 28, 28, 4, 152_064, false),
+            _ => return None,
+        };
+        spec.vocab_size = vocab;
+        spec.hidden_size = hidden;
+        spec.intermediate_size = inter;
+        spec.num_hidden_layers = layers;
+        spec.num_attention_heads = heads;
+        spec.num_key_value_heads = kv;
+        spec.head_dim = hidden / heads;
+        spec.rope_theta = 1_000_000.0;
+        spec.max_position_embeddings = 32_768;
+        spec.tie_word_embeddings = tied;
+        Some(spec)
+    }
+
+    /// Parameters in the model (embedding included once when tied).
+    pub fn num_parameters(&self) -> usize {
+        self.tensor_specs()
+            .iter()
+            .map(|(_, shape, _, _)| shape.iter().product::<usize>())
+            .sum()
+    }
+
+    /// The model built in memory from `weights` (e.g. [`RandomModelSpec::weights`] or
+    /// [`RandomModelSpec::weights_on_device`]), with the test tokenizer and ChatML template: no
+    /// files are written. Weights move to `device` and `dtype`.
+    pub fn load(
+        &self,
+        weights: HashMap<String, Tensor>,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<LoadedModel> {
+        let text = serde_json::to_string(&self.config_json()).expect("json");
+        let config = ModelConfig::from_hf_json(Path::new("config.json"), &text)?;
+        let tokenizer = test_tokenizer()?;
+        let info = TokenizerInfo {
+            eos_token_ids: vec![CHATML_END_ID],
+            eos_token: Some("<|im_end|>".into()),
+            chat_template: Some(CHATML_TEMPLATE.into()),
+            ..Default::default()
+        };
+        let weights = weights
+            .into_iter()
+            .map(|(n, t)| Ok((n, t.to_device(device)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        let mut source = MapWeights::new(weights, dtype);
+        let model = Model::load(&config, &mut source, device)?;
+        Ok(LoadedModel {
+            model,
+            tokenizer,
+            info,
+            name: format!("random {}", self.model_type()),
+        })
     }
 
     /// Writes `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`

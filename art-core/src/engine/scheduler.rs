@@ -11,6 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use candle_core::Tensor;
+use rayon::prelude::*;
 
 use super::constraint::{CompiledConstraint, Guide};
 use super::error::{EngineError, Result};
@@ -241,6 +242,8 @@ impl<'e> Scheduler<'e> {
         }
     }
 
+    /// Starts waiting requests, up to the step's prefill budget (at least one). Consecutive
+    /// requests with prompts of one length and the same adapter share one batched forward.
     fn prefill(&mut self, events: &mut Vec<TokenEvent>) -> Result<()> {
         let mut budget = self.max_prefill_tokens_per_step;
         let mut first = true;
@@ -251,12 +254,45 @@ impl<'e> Scheduler<'e> {
             first = false;
             budget = budget.saturating_sub(request.prompt.len());
             let (id, request, adapter) = self.waiting.pop_front().unwrap();
-            let model = self.engine.model();
-            let mut cache = model.new_cache();
-            let input = Tensor::new(request.prompt.as_slice(), model.device())?.unsqueeze(0)?;
-            let fwd = self.forward_options(adapter.as_deref());
-            let logits = model.forward_cached(&input, &mut [&mut cache], fwd, true)?;
-            let row: Vec<f32> = logits.flatten_all()?.to_vec1()?;
+            let key = adapter.as_ref().map(Arc::as_ptr);
+            let len = request.prompt.len();
+            let mut group = vec![(id, request, adapter)];
+            while let Some((_, next, next_adapter)) = self.waiting.front() {
+                if next.prompt.len() != len
+                    || next_adapter.as_ref().map(Arc::as_ptr) != key
+                    || len > budget
+                {
+                    break;
+                }
+                budget -= len;
+                group.push(self.waiting.pop_front().unwrap());
+            }
+            self.prefill_group(group, events)?;
+        }
+        Ok(())
+    }
+
+    /// One forward over prompts of equal length (one adapter), then each request's first token.
+    fn prefill_group(
+        &mut self,
+        group: Vec<(RequestId, GenerationRequest, Option<Arc<LoraAdapter>>)>,
+        events: &mut Vec<TokenEvent>,
+    ) -> Result<()> {
+        let model = self.engine.model();
+        let len = group[0].1.prompt.len();
+        let mut caches: Vec<KvCache> = group.iter().map(|_| model.new_cache()).collect();
+        let ids: Vec<u32> = group
+            .iter()
+            .flat_map(|(_, r, _)| r.prompt.iter().copied())
+            .collect();
+        let input = Tensor::from_vec(ids, (group.len(), len), model.device())?;
+        let fwd = self.forward_options(group[0].2.as_deref());
+        let logits = {
+            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+            model.forward_cached(&input, &mut refs, fwd, true)?
+        };
+        let rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
+        for (((id, request, adapter), mut cache), row) in group.into_iter().zip(caches).zip(rows) {
             let n = request.params.n;
             let constraint = self.pending.get_mut(&id).and_then(|p| p.constraint.take());
             for index in 0..n {
@@ -324,10 +360,43 @@ impl<'e> Scheduler<'e> {
                 };
                 model.forward_cached(&input, &mut caches, fwd, true)?
             };
-            let rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
-            for (&i, mut row) in members.iter().zip(rows) {
-                self.engine
-                    .sample_and_accept(&mut self.running[i], &mut row, events);
+            let mut rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
+            // Sampling reads a whole vocabulary row a few times per sequence: for a large batch
+            // and vocabulary that is milliseconds per row, so unconstrained rows are sampled in
+            // parallel (each sequence has its own random stream: the results do not change).
+            let mut drawn: Vec<Option<SampledToken>> = vec![None; members.len()];
+            {
+                let mut is_member = vec![None; self.running.len()];
+                for (r, &i) in members.iter().enumerate() {
+                    is_member[i] = Some(r);
+                }
+                let mut jobs: Vec<(&mut Sampler, &[f32], &mut Option<SampledToken>)> = Vec::new();
+                let mut slots: Vec<Option<&mut Option<SampledToken>>> =
+                    drawn.iter_mut().map(Some).collect();
+                for (seq, r) in self.running.iter_mut().zip(&is_member) {
+                    if let (Some(r), None) = (r, &seq.guide) {
+                        let slot = slots[*r].take().expect("one slot per row");
+                        jobs.push((&mut seq.sampler, rows[*r].as_slice(), slot));
+                    }
+                }
+                if jobs.len() > 1 {
+                    jobs.into_par_iter()
+                        .for_each(|(sampler, row, slot)| *slot = Some(sampler.sample(row)));
+                } else {
+                    for (sampler, row, slot) in jobs {
+                        *slot = Some(sampler.sample(row));
+                    }
+                }
+            }
+            for ((&i, row), token) in members.iter().zip(rows.iter_mut()).zip(drawn) {
+                match token {
+                    Some(token) => self
+                        .engine
+                        .accept_sampled(&mut self.running[i], token, events),
+                    None => self
+                        .engine
+                        .sample_and_accept(&mut self.running[i], row, events),
+                }
             }
         }
         Ok(())
@@ -378,6 +447,17 @@ impl Engine {
             guide.mask(row);
         }
         let token = seq.sampler.sample(row);
+        self.accept_sampled(seq, token, events);
+    }
+
+    /// Records `token`, just sampled for `seq` from its (masked) logits; see
+    /// [`Engine::sample_and_accept`].
+    fn accept_sampled(
+        &self,
+        seq: &mut Sequence,
+        token: SampledToken,
+        events: &mut Vec<TokenEvent>,
+    ) {
         if let Some(guide) = &mut seq.guide {
             guide.advance(token.id);
         }

@@ -1,0 +1,579 @@
+//! The engine on a GPU, in one command: decode speed, LoRA training speed, and CUDA-vs-CPU
+//! parity, on random weights of real shapes built in the process (no weight files).
+//!
+//! ```text
+//! eval "$(../shared/tools/cuda-toolkit.sh)"
+//! cargo build --release -p art-core --features train,cuda --example gpu_bench
+//! # on the GPU machine:
+//! LD_LIBRARY_PATH=/usr/local/cuda/lib64 gpu_bench all
+//! gpu_bench decode --shapes qwen2.5-0.5b --batches 1,16,64 --prompt 128 --tokens 256
+//! gpu_bench train --shapes qwen2.5-7b --batch 8 --seq 512 --iters 3
+//! gpu_bench parity
+//! ```
+//!
+//! Decode: each batch size runs `batch` requests of `--prompt` random token ids, sampling
+//! `--tokens` tokens each (temperature 1, ignore_eos), and reports generated tokens over the whole
+//! time (prefill included, as Hugging Face's `generate` is timed) next to the decode-only rate,
+//! with the GPU's peak memory in use during the run. Train: forward + backward of the GRPO loss
+//! with LoRA r=8 on all seven linear layers and an AdamW step, `--batch` x `--seq` tokens.
+//! Both print ratios to the figures for HF transformers (+ peft) in DESIGN.md. Parity: logits,
+//! greedy decoding and LoRA gradients of the same random weights on CUDA and on the CPU.
+//! `--device cpu` runs everything on the CPU (a smoke test with `--shapes tiny`).
+
+use std::time::Instant;
+
+use art_core::engine::random::RandomModelSpec;
+use art_core::engine::{
+    DType, Device, Engine, Forward, GenerationRequest, LoraAdapter, PeakMemory, SamplingParams,
+    Tensor,
+};
+use art_core::train::{
+    micro_batch_loss, AdamW, AdamWParams, Normalization, SequenceSource, TrainSequence,
+};
+use art_core::types::{LoraConfig, TrainConfig};
+
+/// HF transformers 5.17 (+ peft 0.21), bf16, one H200: decode tok/s at batch 1, 16, 64 and
+/// LoRA training tok/s (DESIGN.md, "Reference figures").
+fn reference(shape: &str) -> Option<([f64; 3], f64)> {
+    match shape {
+        "qwen2.5-0.5b" => Some(([17.8, 271.0, 690.0], 23_779.0)),
+        "qwen2.5-1.5b" => Some(([11.8, 184.0, 640.0], 19_883.0)),
+        "qwen2.5-7b" => Some(([14.7, 177.0, 991.0], 6_866.0)),
+        _ => None,
+    }
+}
+
+struct Args {
+    command: String,
+    device: String,
+    shapes: Vec<String>,
+    batches: Vec<usize>,
+    prompt: usize,
+    tokens: usize,
+    train_batch: usize,
+    seq: usize,
+    iters: usize,
+}
+
+fn parse_args() -> Args {
+    let mut it = std::env::args().skip(1);
+    let command = it.next().unwrap_or_else(|| "all".into());
+    let mut args = Args {
+        command,
+        device: "cuda".into(),
+        shapes: vec![
+            "qwen2.5-0.5b".into(),
+            "qwen2.5-1.5b".into(),
+            "qwen2.5-7b".into(),
+        ],
+        batches: vec![1, 16, 64],
+        prompt: 128,
+        tokens: 256,
+        train_batch: 8,
+        seq: 512,
+        iters: 3,
+    };
+    let list = |s: String| -> Vec<String> { s.split(',').map(String::from).collect() };
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--device" => args.device = value(),
+            "--shapes" => args.shapes = list(value()),
+            "--batches" => {
+                args.batches = list(value())
+                    .iter()
+                    .map(|b| b.parse().expect("--batches 1,16,64"))
+                    .collect()
+            }
+            "--prompt" => args.prompt = value().parse().expect("--prompt N"),
+            "--tokens" => args.tokens = value().parse().expect("--tokens N"),
+            "--batch" => args.train_batch = value().parse().expect("--batch N"),
+            "--seq" => args.seq = value().parse().expect("--seq N"),
+            "--iters" => args.iters = value().parse().expect("--iters N"),
+            other => panic!("unknown flag {other}; see the example's docs"),
+        }
+    }
+    args
+}
+
+fn open_device(name: &str) -> Device {
+    match name {
+        "cpu" => Device::Cpu,
+        "cuda" => art_core::engine::cuda_device(0)
+            .unwrap_or_else(|e| panic!("no CUDA device (build with --features cuda): {e}")),
+        other => panic!("--device cpu|cuda, not {other}"),
+    }
+}
+
+fn spec(shape: &str) -> RandomModelSpec {
+    RandomModelSpec::named(shape).unwrap_or_else(|| {
+        panic!("unknown shape {shape}: qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, tiny")
+    })
+}
+
+/// A model of `shape` with random weights drawn on `device`, in the device's default dtype
+/// (bf16 on CUDA, f32 on the CPU).
+fn random_engine(shape: &str, device: &Device) -> Engine {
+    let spec = spec(shape);
+    let dtype = if device.is_cpu() {
+        DType::F32
+    } else {
+        DType::BF16
+    };
+    let t = Instant::now();
+    let weights = spec
+        .weights_on_device(0, device, dtype)
+        .expect("random weights");
+    let loaded = spec.load(weights, device, dtype).expect("build model");
+    device.synchronize().unwrap();
+    println!(
+        "built random {shape} ({:.2}B parameters, {dtype:?}) in {:.1}s",
+        spec.num_parameters() as f64 / 1e9,
+        t.elapsed().as_secs_f64()
+    );
+    Engine::from_loaded(loaded)
+}
+
+fn gb(bytes: usize) -> f64 {
+    bytes as f64 / 1e9
+}
+
+/// A xorshift stream for token ids.
+struct Ids(u64);
+
+impl Ids {
+    fn next(&mut self, below: usize) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % below as u64) as u32
+    }
+}
+
+fn decode(args: &Args, device: &Device) {
+    let baseline = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
+    for shape in &args.shapes {
+        let engine = random_engine(shape, device);
+        let vocab = engine.config().vocab_size;
+        let weights_mem = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
+        let monitor = PeakMemory::start(device);
+        let mut ids = Ids(0x9e37_79b9_7f4a_7c15);
+        let run = |batch: usize, prompt: usize, tokens: usize, ids: &mut Ids| {
+            let mut scheduler = engine.scheduler();
+            scheduler.max_prefill_tokens_per_step = usize::MAX;
+            for i in 0..batch {
+                let prompt: Vec<u32> = (0..prompt).map(|_| ids.next(vocab)).collect();
+                scheduler
+                    .add(GenerationRequest {
+                        prompt,
+                        params: SamplingParams {
+                            temperature: 1.0,
+                            seed: Some(i as u64),
+                            max_tokens: tokens,
+                            ignore_eos: true,
+                            ..Default::default()
+                        },
+                        adapter: None,
+                    })
+                    .unwrap();
+            }
+            let t0 = Instant::now();
+            let mut generated = scheduler.step().unwrap().len();
+            let prefill = t0.elapsed().as_secs_f64();
+            while !scheduler.is_idle() {
+                generated += scheduler.step().unwrap().len();
+            }
+            let total = t0.elapsed().as_secs_f64();
+            (generated, prefill, total)
+        };
+        // Warm-up: loads every kernel (and compiles the decode kernels) once.
+        run(2, 16, 8, &mut ids);
+        for &batch in &args.batches {
+            if let Some(m) = &monitor {
+                m.reset(device);
+            }
+            let (generated, prefill, total) = run(batch, args.prompt, args.tokens, &mut ids);
+            let rate = generated as f64 / total;
+            let decode_rate = (generated - batch) as f64 / (total - prefill);
+            let hf = reference(shape).and_then(|(d, _)| {
+                [1usize, 16, 64]
+                    .iter()
+                    .position(|&b| b == batch)
+                    .map(|j| d[j])
+            });
+            let ratio = hf.map_or("-".to_string(), |hf| format!("{:.1}x", rate / hf));
+            let peak = monitor.as_ref().map_or("-".to_string(), |m| {
+                format!("{:.1} GB", gb(m.peak() - baseline.unwrap_or(0)))
+            });
+            println!(
+                "DECODE {shape} batch {batch:>2}: {rate:8.1} tok/s ({generated} tokens in {total:.2}s; \
+                 prefill {prefill:.2}s, decode-only {decode_rate:.1} tok/s) | HF {} | ratio {ratio} | \
+                 peak {peak} (weights {})",
+                hf.map_or("-".to_string(), |h| format!("{h}")),
+                weights_mem.map_or("-".to_string(), |w| format!(
+                    "{:.1} GB",
+                    gb(w - baseline.unwrap_or(0))
+                )),
+            );
+        }
+    }
+}
+
+/// Synthetic GRPO sequences: the first quarter prompt, the rest sampled (trainable), sampler
+/// logprobs `lp` (or -3), advantages alternating +1/-1 (or all `advantage`).
+fn sequences(
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    advantage: Option<f64>,
+    lp: Option<&[f32]>,
+) -> Vec<TrainSequence> {
+    let mut ids = Ids(0x2545_f491_4f6c_dd1d);
+    let mut used = 0;
+    (0..batch)
+        .map(|r| {
+            let tokens: Vec<u32> = (0..seq).map(|_| ids.next(vocab.min(32_000))).collect();
+            let trainable: Vec<bool> = (0..seq).map(|i| i >= seq / 4).collect();
+            let sampler_logprobs = trainable
+                .iter()
+                .map(|&t| {
+                    if !t {
+                        return f32::NAN;
+                    }
+                    used += 1;
+                    lp.map_or(-3.0, |lp| lp[used - 1])
+                })
+                .collect();
+            TrainSequence {
+                tokens,
+                trainable,
+                sampler_logprobs,
+                advantage: advantage.unwrap_or(if r % 2 == 0 { 1.0 } else { -1.0 }),
+                source: SequenceSource {
+                    group: 0,
+                    trajectory: r,
+                    history: None,
+                },
+            }
+        })
+        .collect()
+}
+
+/// One optimizer step over `seqs` (one micro-batch): loss value, trainer logprobs, gradients.
+fn train_step(
+    engine: &Engine,
+    adapter: &LoraAdapter,
+    optimizer: Option<&mut AdamW>,
+    seqs: &[TrainSequence],
+    lr: f64,
+) -> (f64, Vec<f32>, Vec<Option<Tensor>>) {
+    let config = TrainConfig {
+        learning_rate: lr,
+        micro_batch_tokens: seqs.iter().map(|s| s.len()).sum(),
+        ..Default::default()
+    };
+    let norm = Normalization::for_step(seqs, &config);
+    let members: Vec<&TrainSequence> = seqs.iter().collect();
+    let out = micro_batch_loss(engine.model(), Some(adapter), &members, norm, &config, true)
+        .expect("loss");
+    let loss = out
+        .loss
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    let store = out.loss.backward().expect("backward");
+    let grads: Vec<Option<Tensor>> = adapter
+        .named_vars()
+        .iter()
+        .map(|(_, v)| store.get(v.as_tensor()).cloned())
+        .collect();
+    if let Some(opt) = optimizer {
+        opt.step(&grads, lr, 0.0).unwrap();
+    }
+    (loss, out.trainer_logprobs, grads)
+}
+
+fn train(args: &Args, device: &Device) {
+    let baseline = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
+    for shape in &args.shapes {
+        let engine = random_engine(shape, device);
+        let config = engine.config().clone();
+        let lora = LoraConfig::default();
+        let adapter = LoraAdapter::new(&config, &lora, device, 0).expect("adapter");
+        let mut optimizer = AdamW::new(adapter.named_vars(), AdamWParams::default()).unwrap();
+        let seqs = sequences(args.train_batch, args.seq, config.vocab_size, None, None);
+        let monitor = PeakMemory::start(device);
+        let tokens = args.train_batch * args.seq;
+        let mut rates = Vec::new();
+        for iter in 0..=args.iters {
+            let t0 = Instant::now();
+            let (loss, _, _) = train_step(&engine, &adapter, Some(&mut optimizer), &seqs, 1e-5);
+            device.synchronize().unwrap();
+            let dt = t0.elapsed().as_secs_f64();
+            println!(
+                "  iter {iter}{}: {dt:.3}s, {:.0} tok/s, loss {loss:.4}",
+                if iter == 0 { " (warm-up)" } else { "" },
+                tokens as f64 / dt
+            );
+            if iter > 0 {
+                rates.push(tokens as f64 / dt);
+            }
+        }
+        let mean = rates.iter().sum::<f64>() / rates.len().max(1) as f64;
+        let hf = reference(shape).map(|(_, t)| t);
+        let peak = monitor.as_ref().map_or("-".to_string(), |m| {
+            format!("{:.1} GB", gb(m.peak() - baseline.unwrap_or(0)))
+        });
+        println!(
+            "TRAIN {shape}: {} x {} tokens, LoRA r={} on {} modules: {mean:.0} tok/s | HF+peft {} | \
+             ratio {} | peak {peak}",
+            args.train_batch,
+            args.seq,
+            lora.rank,
+            lora.target_modules.len(),
+            hf.map_or("-".to_string(), |h| format!("{h}")),
+            hf.map_or("-".to_string(), |h| format!("{:.2}x", mean / h)),
+        );
+    }
+}
+
+/// `max |a - b|` and `max |b|` over two tensors of one shape (any devices, any float dtype).
+fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
+    let a = a
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap();
+    let b = b
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap();
+    let d = (&a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    let m = b
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    (d, m)
+}
+
+fn check(label: &str, d: f64, scale: f64, tol: f64, failures: &mut usize) {
+    let rel = d / scale.max(1e-30);
+    let ok = rel <= tol;
+    if !ok {
+        *failures += 1;
+    }
+    println!(
+        "PARITY {label}: max |diff| {d:.3e} (max |ref| {scale:.3e}, relative {rel:.2e}, bound {tol:.0e}) {}",
+        if ok { "ok" } else { "FAIL" }
+    );
+}
+
+/// CUDA against the CPU on the same weights and tokens.
+fn parity(device: &Device) {
+    let mut failures = 0;
+    let moderate = RandomModelSpec {
+        vocab_size: 8192,
+        hidden_size: 512,
+        intermediate_size: 1408,
+        num_hidden_layers: 8,
+        num_attention_heads: 8,
+        num_key_value_heads: 2,
+        head_dim: 64,
+        ..spec("tiny")
+    };
+    for (name, spec) in [("tiny", spec("tiny")), ("moderate", moderate)] {
+        let weights = spec.weights(7, &Device::Cpu).expect("weights");
+        let cpu = Engine::from_loaded(
+            spec.load(weights.clone(), &Device::Cpu, DType::F32)
+                .unwrap(),
+        );
+        let vocab = spec.vocab_size;
+        let mut ids = Ids(42);
+        let tokens: Vec<u32> = (0..2 * 48).map(|_| ids.next(vocab)).collect();
+        let input = |d: &Device| Tensor::from_vec(tokens.clone(), (2, 48), d).unwrap();
+        let fwd = Forward::default();
+        let ref_logits = cpu.model().forward_full(&input(&Device::Cpu), fwd).unwrap();
+        let prompt: Vec<u32> = tokens[..20].to_vec();
+        let greedy = |e: &Engine| {
+            let reqs = (0..3)
+                .map(|i| GenerationRequest {
+                    prompt: prompt[..20 - 3 * i].to_vec(),
+                    params: SamplingParams {
+                        ignore_eos: true,
+                        ..SamplingParams::greedy(24)
+                    },
+                    adapter: None,
+                })
+                .collect();
+            e.generate(reqs).unwrap()
+        };
+        let ref_out = greedy(&cpu);
+        for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 5e-2)] {
+            let gpu = Engine::from_loaded(spec.load(weights.clone(), device, dtype).unwrap());
+            let logits = gpu.model().forward_full(&input(device), fwd).unwrap();
+            let (d, m) = diff(&logits, &ref_logits);
+            check(
+                &format!("{name} forward_full logits {dtype:?} vs CPU f32"),
+                d,
+                m,
+                tol,
+                &mut failures,
+            );
+            // Greedy decoding through the KV caches (the batched decode kernels on CUDA), three
+            // prompts of different lengths at once: tokens compared up to the first difference.
+            let out = greedy(&gpu);
+            let (mut same, mut total, mut worst) = (0, 0, 0f64);
+            for (a, b) in out.iter().zip(&ref_out) {
+                let (a, b) = (&a.completions[0], &b.completions[0]);
+                for (x, y) in a.tokens.iter().zip(&b.tokens) {
+                    total += 1;
+                    if x.id == y.id {
+                        same += 1;
+                        worst = worst.max((x.logprob - y.logprob).abs() as f64);
+                    } else {
+                        break;
+                    }
+                }
+            }
+            println!(
+                "PARITY {name} greedy decode {dtype:?}: {same}/{total} tokens equal to the CPU's \
+                 before the first difference; max logprob diff on them {worst:.2e}"
+            );
+            if dtype == DType::F32 && same != total {
+                failures += 1;
+                println!("PARITY {name} greedy decode f32: FAIL");
+            }
+            // Cached decode logits against the full forward, on the GPU itself.
+            let model = gpu.model();
+            let mut caches: Vec<_> = (0..2).map(|_| model.new_cache()).collect();
+            let full = model.forward_full(&input(device), fwd).unwrap();
+            {
+                let mut refs: Vec<&mut _> = caches.iter_mut().collect();
+                let first = input(device).narrow(1, 0, 40).unwrap();
+                model.forward_cached(&first, &mut refs, fwd, true).unwrap();
+            }
+            let mut worst = (0f64, 0f64);
+            for p in 40..48 {
+                let mut refs: Vec<&mut _> = caches.iter_mut().collect();
+                let step = input(device).narrow(1, p, 1).unwrap();
+                let got = model.forward_cached(&step, &mut refs, fwd, true).unwrap();
+                let want = full.narrow(1, p, 1).unwrap();
+                let (d, m) = diff(&got, &want);
+                worst = (worst.0.max(d), worst.1.max(m));
+            }
+            check(
+                &format!("{name} cached decode logits vs full forward, {dtype:?} on the GPU"),
+                worst.0,
+                worst.1,
+                if dtype == DType::F32 { 1e-4 } else { 5e-2 },
+                &mut failures,
+            );
+        }
+    }
+
+    // LoRA gradients: CUDA f32 against the CPU f32, after one AdamW step (so that B != 0 and
+    // every gradient is non-zero).
+    let spec = spec("tiny");
+    let weights = spec.weights(3, &Device::Cpu).unwrap();
+    let lora = LoraConfig::default();
+    let grads_of = |d: &Device| {
+        let engine = Engine::from_loaded(spec.load(weights.clone(), d, DType::F32).unwrap());
+        let adapter = LoraAdapter::new(engine.config(), &lora, d, 1).unwrap();
+        let mut opt = AdamW::new(adapter.named_vars(), AdamWParams::default()).unwrap();
+        let seqs = sequences(4, 40, spec.vocab_size, None, None);
+        let (l0, _, _) = train_step(&engine, &adapter, Some(&mut opt), &seqs, 1e-2);
+        let (l1, _, g) = train_step(&engine, &adapter, None, &seqs, 1e-2);
+        (l0, l1, g)
+    };
+    let (c0, c1, cpu_grads) = grads_of(&Device::Cpu);
+    let (g0, g1, gpu_grads) = grads_of(device);
+    println!("PARITY LoRA losses: CPU {c0:.6} then {c1:.6}; GPU {g0:.6} then {g1:.6}");
+    let (mut d, mut m) = (0f64, 0f64);
+    for (a, b) in gpu_grads.iter().zip(&cpu_grads) {
+        if let (Some(a), Some(b)) = (a, b) {
+            let (x, y) = diff(a, b);
+            d = d.max(x);
+            m = m.max(y);
+        }
+    }
+    check(
+        "LoRA gradients f32 GPU vs CPU (all 14 tensors x 2 layers)",
+        d,
+        m,
+        1e-3,
+        &mut failures,
+    );
+
+    // Training on the GPU in bf16: the loss falls on a fixed batch.
+    let shape = if device.is_cpu() {
+        "tiny"
+    } else {
+        "qwen2.5-0.5b"
+    };
+    let engine = random_engine(shape, device);
+    let adapter = LoraAdapter::new(engine.config(), &lora, device, 0).unwrap();
+    let mut opt = AdamW::new(adapter.named_vars(), AdamWParams::default()).unwrap();
+    let vocab = engine.config().vocab_size;
+    // Sampler logprobs = the model's own at the start (ratio 1), advantage +1 everywhere.
+    let probe = sequences(4, 128, vocab, Some(1.0), None);
+    let (_, lp0, _) = train_step(&engine, &adapter, None, &probe, 0.0);
+    let seqs = sequences(4, 128, vocab, Some(1.0), Some(&lp0));
+    let mut losses = Vec::new();
+    let mut mean_lp = Vec::new();
+    for _ in 0..6 {
+        let (loss, lp, _) = train_step(&engine, &adapter, Some(&mut opt), &seqs, 1e-3);
+        losses.push(loss);
+        mean_lp.push(lp.iter().map(|&x| x as f64).sum::<f64>() / lp.len() as f64);
+    }
+    let falls = losses.last().unwrap() < &losses[0] && mean_lp.last().unwrap() > &mean_lp[0];
+    if !falls {
+        failures += 1;
+    }
+    println!(
+        "PARITY training on a fixed batch ({shape} shape, {:?}, 4 x 128, lr 1e-3): loss {:?}, \
+         mean logprob of the trained tokens {:?} {}",
+        engine.model().dtype(),
+        losses
+            .iter()
+            .map(|l| (l * 1e4).round() / 1e4)
+            .collect::<Vec<_>>(),
+        mean_lp
+            .iter()
+            .map(|l| (l * 1e4).round() / 1e4)
+            .collect::<Vec<_>>(),
+        if falls { "ok" } else { "FAIL" }
+    );
+    println!("PARITY failures: {failures}");
+}
+
+fn main() {
+    let args = parse_args();
+    let device = open_device(&args.device);
+    match args.command.as_str() {
+        "decode" => decode(&args, &device),
+        "train" => train(&args, &device),
+        "parity" => parity(&device),
+        "all" => {
+            parity(&device);
+            decode(&args, &device);
+            train(&args, &device);
+        }
+        other => panic!("unknown command {other}: decode, train, parity or all"),
+    }
+}

@@ -1,0 +1,422 @@
+//! Batched decode attention on CUDA: one kernel appends every sequence's new key and value to
+//! its own cache, one kernel attends every sequence's query over its own cache.
+//!
+//! The composite path ([`super::model`]) loops over the sequences of a decode step (each has
+//! its own [`super::model::KvCache`] of its own length), about ten kernels per sequence and
+//! layer: at batch 64 that is thousands of launches per token, and launches, not the GPU, set
+//! the speed. Here a step uploads one table of cache pointers, positions and capacities, and
+//! each layer runs two kernels whatever the batch size.
+//!
+//! Kernels are CUDA C compiled at first use with NVRTC (no build step, no header: bf16 is
+//! handled as its bits). Only for the no-gradient decode of one token per sequence, bf16 or
+//! f32, head_dim dividing 256, and caches short enough for the scores to fit in shared memory;
+//! anything else keeps the composite path. `ART_DECODE_KERNEL=0` turns it off.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::error::Result;
+
+/// The longest cache the attention kernel takes (its scores live in 48 KB of shared memory).
+pub(crate) const MAX_LEN: usize = 11_000;
+
+/// The device pointers and positions of one decode step's caches, for every layer.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct DecodePlan {
+    /// i64 on the device: for layer `l` and row `b`, the key cache at `(2l) * B + b`, the value
+    /// cache at `(2l + 1) * B + b`; then each row's position (`layers * 2B + b`) and capacity
+    /// (`layers * 2B + B + b`).
+    pub table: Tensor,
+    pub layers: usize,
+    pub batch: usize,
+    /// The longest sequence after this step's token.
+    pub max_len: usize,
+}
+
+/// Whether the fused decode path runs for a model of this device, dtype and head size.
+pub(crate) fn available(device: &Device, dtype: DType, head_dim: usize) -> bool {
+    cfg!(feature = "cuda")
+        && device.is_cuda()
+        && matches!(dtype, DType::BF16 | DType::F32)
+        && head_dim > 0
+        && head_dim <= 256
+        && 256 % head_dim == 0
+        && enabled()
+}
+
+fn enabled() -> bool {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    static STATE: AtomicU8 = AtomicU8::new(0);
+    match STATE.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("ART_DECODE_KERNEL").map_or(true, |v| v != "0");
+            STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+        s => s == 2,
+    }
+}
+
+/// The raw device address of a contiguous CUDA tensor's first element.
+#[cfg(feature = "cuda")]
+pub(crate) fn device_address(t: &Tensor) -> Result<u64> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    use candle_core::cuda_backend::CudaStorageSlice as S;
+    use candle_core::Storage;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else {
+        return Err(candle_core::Error::Msg("device_address: not a CUDA tensor".into()).into());
+    };
+    let stream = cs.device.cuda_stream();
+    let (base, size) = match &cs.slice {
+        S::BF16(s) => (s.device_ptr(&stream).0, 2),
+        S::F32(s) => (s.device_ptr(&stream).0, 4),
+        _ => {
+            return Err(
+                candle_core::Error::Msg("device_address: bf16 or f32 tensors only".into()).into(),
+            )
+        }
+    };
+    Ok(base + (layout.start_offset() * size) as u64)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn device_address(_: &Tensor) -> Result<u64> {
+    Err(candle_core::Error::Msg("built without the cuda feature".into()).into())
+}
+
+/// Runs the decode step's attention for one layer: writes `k`, `v` (`[B, kv, 1, hd]`) into the
+/// caches at each row's position and returns the attention output `[B, H, 1, hd]` for `q`
+/// (`[B, H, 1, hd]`, already scaled).
+#[cfg(feature = "cuda")]
+pub(crate) fn attend(
+    plan: &DecodePlan,
+    layer: usize,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<Tensor> {
+    let (b, h, _, hd) = q.dims4()?;
+    let (_, kv, _, _) = k.dims4()?;
+    let op = DecodeAttention {
+        table: plan.table.clone(),
+        layer,
+        layers: plan.layers,
+        batch: plan.batch,
+        max_len: plan.max_len,
+        heads: h,
+        kv_heads: kv,
+        head_dim: hd,
+    };
+    let out = q
+        .contiguous()?
+        .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
+    Ok(out.reshape((b, h, 1, hd))?)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) fn attend(
+    _: &DecodePlan,
+    _: usize,
+    _: &Tensor,
+    _: &Tensor,
+    _: &Tensor,
+) -> Result<Tensor> {
+    Err(candle_core::Error::Msg("built without the cuda feature".into()).into())
+}
+
+#[cfg(feature = "cuda")]
+const SOURCE: &str = r#"
+typedef unsigned short bf16_t;
+__device__ __forceinline__ float ld(const float* p) { return *p; }
+__device__ __forceinline__ float ld(const bf16_t* p) { return __uint_as_float(((unsigned)*p) << 16); }
+__device__ __forceinline__ void st(float* p, float v) { *p = v; }
+__device__ __forceinline__ void st(bf16_t* p, float v) {
+  unsigned u = __float_as_uint(v);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *p = (bf16_t)(u >> 16);
+}
+
+__device__ float block_max(float x, float* red) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  float m = red[0];
+  for (int i = 1; i < nw; ++i) m = fmaxf(m, red[i]);
+  return m;
+}
+
+__device__ float block_sum(float x, float* red) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  float s = 0.f;
+  for (int i = 0; i < nw; ++i) s += red[i];
+  return s;
+}
+
+// grid (kv, B), block >= 32 threads.
+template <typename T>
+__device__ void append_impl(const T* k, const T* v, const long long* table, int layer,
+                            int layers, int B, int kv, int hd) {
+  int b = blockIdx.y, h = blockIdx.x;
+  T* kc = (T*)table[(2 * layer) * B + b];
+  T* vc = (T*)table[(2 * layer + 1) * B + b];
+  long long pos = table[2 * layers * B + b];
+  long long cap = table[2 * layers * B + B + b];
+  for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    unsigned long long src = ((unsigned long long)b * kv + h) * hd + d;
+    unsigned long long dst = ((unsigned long long)h * cap + pos) * hd + d;
+    kc[dst] = k[src];
+    vc[dst] = v[src];
+  }
+}
+
+// grid (H, B), block 256 threads; dynamic shared memory (hd + 32 + 256 + max_len) floats.
+template <typename T>
+__device__ void attn_impl(const T* q, T* out, const long long* table, int layer, int layers,
+                          int B, int H, int kv, int hd) {
+  extern __shared__ float smem[];
+  int b = blockIdx.y, h = blockIdx.x;
+  int tid = threadIdx.x, nt = blockDim.x;
+  int kvh = h / (H / kv);
+  long long cap = table[2 * layers * B + B + b];
+  int len = (int)table[2 * layers * B + b] + 1;
+  const T* kb = (const T*)table[(2 * layer) * B + b] + (unsigned long long)kvh * cap * hd;
+  const T* vb = (const T*)table[(2 * layer + 1) * B + b] + (unsigned long long)kvh * cap * hd;
+  float* qs = smem;
+  float* red = qs + hd;
+  float* part = red + 32;
+  float* sc = part + nt;
+  const T* qp = q + ((unsigned long long)b * H + h) * hd;
+  for (int d = tid; d < hd; d += nt) qs[d] = ld(qp + d);
+  __syncthreads();
+  int warp = tid / 32, lane = tid % 32, nw = nt / 32;
+  for (int t = warp; t < len; t += nw) {
+    const T* kr = kb + (unsigned long long)t * hd;
+    float s = 0.f;
+    for (int d = lane; d < hd; d += 32) s += qs[d] * ld(kr + d);
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) sc[t] = s;
+  }
+  __syncthreads();
+  float m = __int_as_float(0xff800000);
+  for (int t = tid; t < len; t += nt) m = fmaxf(m, sc[t]);
+  m = block_max(m, red);
+  float sum = 0.f;
+  for (int t = tid; t < len; t += nt) {
+    float e = __expf(sc[t] - m);
+    sc[t] = e;
+    sum += e;
+  }
+  sum = block_sum(sum, red);
+  __syncthreads();
+  int groups = nt / hd, g = tid / hd, d = tid % hd;
+  float acc = 0.f;
+  for (int t = g; t < len; t += groups) acc += sc[t] * ld(vb + (unsigned long long)t * hd + d);
+  part[tid] = acc;
+  __syncthreads();
+  if (tid < hd) {
+    float s = 0.f;
+    for (int i = 0; i < groups; ++i) s += part[i * hd + tid];
+    st(out + ((unsigned long long)b * H + h) * hd + tid, s / sum);
+  }
+}
+
+extern "C" __global__ void art_kv_append_bf16(const bf16_t* k, const bf16_t* v,
+    const long long* table, int layer, int layers, int B, int kv, int hd) {
+  append_impl(k, v, table, layer, layers, B, kv, hd);
+}
+extern "C" __global__ void art_kv_append_f32(const float* k, const float* v,
+    const long long* table, int layer, int layers, int B, int kv, int hd) {
+  append_impl(k, v, table, layer, layers, B, kv, hd);
+}
+extern "C" __global__ void art_decode_attn_bf16(const bf16_t* q, bf16_t* out,
+    const long long* table, int layer, int layers, int B, int H, int kv, int hd) {
+  attn_impl(q, out, table, layer, layers, B, H, kv, hd);
+}
+extern "C" __global__ void art_decode_attn_f32(const float* q, float* out,
+    const long long* table, int layer, int layers, int B, int H, int kv, int hd) {
+  attn_impl(q, out, table, layer, layers, B, H, kv, hd);
+}
+"#;
+
+#[cfg(feature = "cuda")]
+const MODULE: &str = "art_decode";
+#[cfg(feature = "cuda")]
+const THREADS: u32 = 256;
+
+/// The kernels' PTX, compiled once per process.
+#[cfg(feature = "cuda")]
+fn ptx() -> candle_core::Result<&'static str> {
+    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+    static PTX: std::sync::OnceLock<std::result::Result<String, String>> =
+        std::sync::OnceLock::new();
+    PTX.get_or_init(|| {
+        let opts = CompileOptions {
+            arch: Some("compute_90"),
+            ..Default::default()
+        };
+        compile_ptx_with_opts(SOURCE, opts)
+            .map(|p| p.to_src())
+            .map_err(|e| format!("NVRTC could not compile the decode kernels: {e}"))
+    })
+    .as_deref()
+    .map_err(|e| candle_core::Error::Msg(e.clone()))
+}
+
+#[cfg(feature = "cuda")]
+struct DecodeAttention {
+    table: Tensor,
+    layer: usize,
+    layers: usize,
+    batch: usize,
+    max_len: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp3 for DecodeAttention {
+    fn name(&self) -> &'static str {
+        "art-decode-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("art-decode-attention runs on CUDA only")
+    }
+
+    fn cuda_fwd(
+        &self,
+        qs: &candle_core::CudaStorage,
+        ql: &candle_core::Layout,
+        ks: &candle_core::CudaStorage,
+        kl: &candle_core::Layout,
+        vs: &candle_core::CudaStorage,
+        vl: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::cuda_backend::cudarc::driver::{
+            CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+        };
+        use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
+        use candle_core::{CudaDevice, Storage};
+
+        let (table_storage, table_layout) = self.table.storage_and_layout();
+        let Storage::Cuda(ts) = &*table_storage else {
+            candle_core::bail!("decode attention: the table is not on the GPU")
+        };
+        let S::I64(table) = &ts.slice else {
+            candle_core::bail!("decode attention: the table must be i64")
+        };
+        let table = table.slice(table_layout.start_offset()..);
+        let dev = qs.device.clone();
+        let ptx = ptx()?;
+        let (b, h, kv, hd) = (self.batch, self.heads, self.kv_heads, self.head_dim);
+        let ints = [
+            self.layer as i32,
+            self.layers as i32,
+            b as i32,
+            h as i32,
+            kv as i32,
+            hd as i32,
+        ];
+
+        #[allow(clippy::too_many_arguments)]
+        fn run<T: DeviceRepr>(
+            dev: &CudaDevice,
+            ptx: &str,
+            suffix: &str,
+            q: (&CudaSlice<T>, &candle_core::Layout),
+            k: (&CudaSlice<T>, &candle_core::Layout),
+            v: (&CudaSlice<T>, &candle_core::Layout),
+            table: &CudaView<'_, i64>,
+            ints: [i32; 6],
+            max_len: usize,
+        ) -> candle_core::Result<CudaSlice<T>> {
+            fn view<'a, T>(
+                (s, l): (&'a CudaSlice<T>, &candle_core::Layout),
+            ) -> candle_core::Result<CudaView<'a, T>> {
+                match l.contiguous_offsets() {
+                    Some((a, z)) => Ok(s.slice(a..z)),
+                    None => candle_core::bail!("decode attention: inputs must be contiguous"),
+                }
+            }
+            let (q, k, v) = (view(q)?, view(k)?, view(v)?);
+            let [layer, layers, b, h, kv, hd] = ints;
+            let append =
+                dev.get_or_load_custom_func(&format!("art_kv_append_{suffix}"), MODULE, ptx)?;
+            let mut builder = append.builder();
+            builder.arg(&k);
+            builder.arg(&v);
+            builder.arg(table);
+            candle_core::builder_arg!(builder, layer, layers, b, kv, hd);
+            let cfg = LaunchConfig {
+                grid_dim: (kv as u32, b as u32, 1),
+                block_dim: ((hd as u32).clamp(32, 256), 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: the table holds live cache buffers with room for each row's position.
+            unsafe { builder.launch(cfg) }.w()?;
+
+            let out = unsafe { dev.alloc::<T>((b * h * hd) as usize)? };
+            let attn =
+                dev.get_or_load_custom_func(&format!("art_decode_attn_{suffix}"), MODULE, ptx)?;
+            let mut builder = attn.builder();
+            builder.arg(&q);
+            builder.arg(&out);
+            builder.arg(table);
+            candle_core::builder_arg!(builder, layer, layers, b, h, kv, hd);
+            let smem = (hd as usize + 32 + THREADS as usize + max_len) * 4;
+            let cfg = LaunchConfig {
+                grid_dim: (h as u32, b as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            // SAFETY: as above; `out` has B * H * hd elements.
+            unsafe { builder.launch(cfg) }.w()?;
+            Ok(out)
+        }
+
+        let slice = match (&qs.slice, &ks.slice, &vs.slice) {
+            (S::BF16(q), S::BF16(k), S::BF16(v)) => S::BF16(run(
+                &dev,
+                ptx,
+                "bf16",
+                (q, ql),
+                (k, kl),
+                (v, vl),
+                &table,
+                ints,
+                self.max_len,
+            )?),
+            (S::F32(q), S::F32(k), S::F32(v)) => S::F32(run(
+                &dev,
+                ptx,
+                "f32",
+                (q, ql),
+                (k, kl),
+                (v, vl),
+                &table,
+                ints,
+                self.max_len,
+            )?),
+            _ => candle_core::bail!("decode attention: bf16 or f32 inputs only"),
+        };
+        Ok((
+            candle_core::CudaStorage { slice, device: dev },
+            candle_core::Shape::from((b, h, hd)),
+        ))
+    }
+}

@@ -1,0 +1,88 @@
+//! The GPU device and its memory: how the engine opens a CUDA device, and how much of the
+//! card's memory is in use (for benchmarks and logs).
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use candle_core::Device;
+
+use super::error::Result;
+
+/// Opens CUDA device `ordinal` the way the engine runs best on it: one stream that every thread
+/// shares (so work from the server's threads and the trainer is ordered by the stream itself),
+/// without cudarc's per-buffer event tracking, which only matters across streams and costs
+/// host time on every kernel launch. `ART_CUDA_EVENTS=1` keeps the tracking on.
+pub fn cuda_device(ordinal: usize) -> Result<Device> {
+    let device = Device::new_cuda_with_stream(ordinal)?;
+    #[cfg(feature = "cuda")]
+    if std::env::var("ART_CUDA_EVENTS").map_or(true, |v| v != "1") {
+        // SAFETY: every tensor of this device is made and used on its one stream (above), and
+        // nothing has been allocated on it yet.
+        unsafe { device.as_cuda_device()?.disable_event_tracking() };
+    }
+    Ok(device)
+}
+
+/// `(free, total)` bytes of the GPU's memory, or `None` for a CPU device.
+pub fn gpu_memory(device: &Device) -> Option<(usize, usize)> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return d.cuda_stream().context().mem_get_info().ok();
+    }
+    let _ = device;
+    None
+}
+
+/// Samples the GPU's memory in use on a background thread (every millisecond) and keeps the
+/// highest reading: the whole card's use, this process's context and allocator pools included,
+/// as `nvidia-smi` counts it.
+pub struct PeakMemory {
+    peak: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PeakMemory {
+    /// Starts sampling; `None` for a CPU device.
+    pub fn start(device: &Device) -> Option<Self> {
+        let (free, total) = gpu_memory(device)?;
+        let peak = Arc::new(AtomicUsize::new(total - free));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (p, s, d) = (peak.clone(), stop.clone(), device.clone());
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                if let Some((free, total)) = gpu_memory(&d) {
+                    p.fetch_max(total - free, Ordering::Relaxed);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        });
+        Some(PeakMemory {
+            peak,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The highest use seen so far, in bytes.
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// Starts a new measurement from the current use.
+    pub fn reset(&self, device: &Device) {
+        if let Some((free, total)) = gpu_memory(device) {
+            self.peak.store(total - free, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for PeakMemory {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
