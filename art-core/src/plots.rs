@@ -288,30 +288,16 @@ impl Chart {
                     mean_color.stroke_width(3),
                 )
             });
-        chart
-            .draw_series(means)?
-            .label("group mean")
-            .legend(move |(x, y)| {
-                PathElement::new(vec![(x, y), (x + 22, y)], mean_color.stroke_width(3))
-            });
-        chart
-            .draw_series(
-                points
-                    .iter()
-                    .map(|&p| Circle::new(p, 4, dot.mix(0.7).filled())),
-            )?
-            .label("trajectory reward")
-            .legend(move |(x, y)| Circle::new((x + 10, y), 4, dot.filled()));
+        // No legend box: wherever it sits it can cover points (rewards fill the whole range);
+        // the x axis's description says what the marks are.
+        chart.draw_series(means)?;
+        chart.draw_series(
+            points
+                .iter()
+                .map(|&p| Circle::new(p, 4, dot.mix(0.7).filled())),
+        )?;
         if points.is_empty() {
             no_data(area)?;
-        } else {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::LowerRight)
-                .background_style(WHITE.mix(0.85))
-                .border_style(GRID)
-                .label_font((FAMILY, 14).into_font().color(&BLACK))
-                .draw()?;
         }
         Ok(())
     }
@@ -521,7 +507,7 @@ pub fn training_chart(history: &[HistoryEntry]) -> Chart {
 pub fn reward_distribution_chart(groups: &[TrajectoryGroup]) -> Chart {
     Chart {
         title: "Rewards by group".into(),
-        x_label: "group".into(),
+        x_label: "group (dots: trajectories, bars: group mean)".into(),
         y_label: "reward".into(),
         width: 720,
         height: 400,
@@ -530,12 +516,15 @@ pub fn reward_distribution_chart(groups: &[TrajectoryGroup]) -> Chart {
 }
 
 impl crate::display::Render for Chart {
-    /// SVG (crisp at any zoom); a chart that fails to draw shows why instead.
+    /// SVG (crisp at any zoom) and PNG: JupyterLab does not show SVG outputs of an untrusted
+    /// notebook (one opened from a clone) and falls back to the PNG. A chart that fails to draw
+    /// shows why instead.
     fn render(&self) -> crate::display::MimeBundle {
         let bundle = crate::display::MimeBundle::new();
-        match self.to_svg() {
-            Ok(svg) => bundle
+        match self.to_svg().and_then(|svg| Ok((svg, self.to_png()?))) {
+            Ok((svg, png)) => bundle
                 .with("image/svg+xml", svg)
+                .with("image/png", crate::display::base64(&png))
                 .with("text/plain", format!("<chart: {}>", self.title)),
             Err(e) => bundle.with(
                 "text/plain",

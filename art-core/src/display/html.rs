@@ -16,52 +16,129 @@ use crate::types::{
     TrajectoryGroup,
 };
 
-/// The style sheet every view carries (scoped to `.art-root`).
+/// The style sheet every view carries (scoped to `.art-root`): what cannot be written inline —
+/// theme colours through JupyterLab's CSS variables, flex and grid layout, sticky table headers.
+/// Everything else is in [`CLASS_STYLES`].
 pub const STYLE: &str = r#"<style>
-.art-root{--art-border:var(--jp-border-color2,rgba(127,127,127,.3));--art-muted:var(--jp-content-font-color2,rgba(127,127,127,1));--art-user:#3b82f6;--art-assistant:#10b981;--art-system:#8b5cf6;--art-tool:#d97706;--art-good:#16a34a;--art-bad:#dc2626;font-family:var(--jp-ui-font-family,system-ui,-apple-system,"Segoe UI",Roboto,sans-serif);font-size:13px;line-height:1.45;color:inherit;max-width:100%;text-align:left}
+.art-root{--art-border:var(--jp-border-color2,rgba(127,127,127,.3));--art-muted:var(--jp-content-font-color2,rgba(127,127,127,1));font-family:var(--jp-ui-font-family,system-ui,-apple-system,"Segoe UI",Roboto,sans-serif);color:inherit;max-width:100%}
 .art-root *{box-sizing:border-box}
-.art-card{border:1px solid var(--art-border);border-radius:8px;padding:10px 12px;margin:4px 0}
-.art-head{display:flex;flex-wrap:wrap;align-items:center;gap:6px;margin-bottom:6px}
-.art-title{font-weight:600;margin-right:4px}
-.art-badge{display:inline-flex;align-items:baseline;gap:4px;padding:1px 8px;border-radius:999px;font-size:12px;border:1px solid var(--art-border);background:rgba(127,127,127,.08);white-space:nowrap}
-.art-badge b{font-weight:650}
-.art-chip{font-size:12px;color:var(--art-muted);white-space:nowrap}
-.art-chip code{font-size:11.5px}
-.art-msg{--art-c:var(--art-muted);border-left:3px solid var(--art-c);padding:3px 10px 5px;margin:6px 0;background:rgba(127,127,127,.05);border-radius:0 6px 6px 0}
-.art-msg.art-user{--art-c:var(--art-user)}
-.art-msg.art-assistant{--art-c:var(--art-assistant)}
-.art-msg.art-system{--art-c:var(--art-system)}
-.art-msg.art-tool{--art-c:var(--art-tool)}
-.art-role{font-size:11px;font-weight:650;text-transform:uppercase;letter-spacing:.04em;color:var(--art-c);display:flex;flex-wrap:wrap;gap:6px;align-items:baseline}
-.art-role .art-tag{font-weight:400;text-transform:none;letter-spacing:0;color:var(--art-muted)}
-.art-text{white-space:pre-wrap;overflow-wrap:anywhere;max-height:28em;overflow:auto;margin-top:2px}
-.art-empty{color:var(--art-muted);font-style:italic}
-.art-code{font-family:var(--jp-code-font-family,ui-monospace,SFMono-Regular,Menlo,Consolas,monospace);font-size:12px}
-.art-call{background:rgba(127,127,127,.10);border-radius:4px;padding:4px 8px;margin-top:4px;white-space:pre-wrap;overflow-wrap:anywhere;max-height:20em;overflow:auto}
-.art-fn{font-weight:650;color:var(--art-tool)}
-.art-note{font-size:12.5px;border-radius:6px;padding:5px 9px;background:rgba(139,92,246,.10);border:1px solid rgba(139,92,246,.25);margin:6px 0}
-.art-note b{color:var(--art-system)}
-.art-err{font-size:12.5px;border-radius:6px;padding:5px 9px;background:rgba(220,38,38,.08);border:1px solid rgba(220,38,38,.3);margin:6px 0;white-space:pre-wrap}
-details.art-more{margin:4px 0}
-details.art-more>summary{cursor:pointer;color:var(--art-muted);font-size:12px}
-details.art-msg>summary{cursor:pointer;list-style-position:inside}
+.art-code{font-family:var(--jp-code-font-family,ui-monospace,SFMono-Regular,Menlo,Consolas,monospace)}
+.art-head{display:flex;flex-wrap:wrap;align-items:center}
+.art-text,.art-call{overflow-wrap:anywhere}
+details>summary{cursor:pointer}
 .art-cols{display:grid;gap:10px;overflow-x:auto;grid-auto-flow:column;grid-auto-columns:minmax(300px,1fr);padding-bottom:4px}
-.art-col{border:1px solid var(--art-border);border-radius:8px;padding:8px 10px;min-width:0}
-.art-col.art-best{border-color:var(--art-good);box-shadow:inset 0 0 0 1px var(--art-good)}
-.art-bar{height:6px;border-radius:3px;background:rgba(127,127,127,.2);overflow:hidden;margin:4px 0}
-.art-bar>span{display:block;height:100%;border-radius:3px}
-.art-progress{min-width:320px;max-width:640px}
-.art-img{max-width:260px;max-height:200px;border-radius:4px;margin-top:4px}
-.art-table-wrap{overflow:auto;max-height:36em;margin-top:4px}
-table.art-table{border-collapse:collapse;font-size:12.5px}
-.art-table th,.art-table td{border-bottom:1px solid var(--art-border);padding:3px 10px;text-align:left;vertical-align:top}
-.art-table th{position:sticky;top:0;background:var(--jp-layout-color1,Canvas);font-weight:650}
-.art-table tbody tr:nth-child(even){background:rgba(127,127,127,.05)}
-.art-table td.art-num{text-align:right;font-variant-numeric:tabular-nums}
-.art-table td.art-str{max-width:40em;white-space:pre-wrap;overflow-wrap:anywhere}
-.art-table td.art-null,.art-table td.art-gap{color:var(--art-muted);font-style:italic}
-.art-dtype{font-weight:400;font-size:11px;color:var(--art-muted)}
+.art-col.art-best{box-shadow:inset 0 0 0 1px #16a34a}
+.art-root table.art-table th{position:sticky;top:0;background:var(--jp-layout-color1,Canvas)}
+.art-root table.art-table th,.art-root table.art-table td{border-bottom:1px solid var(--art-border)}
+.art-root table.art-table tbody tr:nth-child(even){background:rgba(127,127,127,.05)}
+.art-root table.art-table tbody tr:hover{background:rgba(59,130,246,.08)}
 </style>"#;
+
+/// Each class's look, also written into the `style` attribute of every element that has the class
+/// (see [`styled`]). JupyterLab drops `<style>` elements from untrusted outputs (a notebook opened
+/// from a clone is untrusted) but keeps inline styles that pass its sanitizer: so only plain
+/// values here — no `var()`, `hsl()`, `gap` or `overflow-wrap:anywhere`, colours as hex.
+const CLASS_STYLES: &[(&str, &str)] = &[
+    ("art-root", "font-size:13px;line-height:1.45;text-align:left"),
+    ("art-card", "border:1px solid #7f7f7f4d;border-radius:8px;padding:10px 12px;margin:4px 0"),
+    ("art-head", "margin-bottom:6px"),
+    ("art-title", "font-weight:600;margin-right:8px"),
+    (
+        "art-badge",
+        "display:inline-block;padding:1px 8px;margin:1px 6px 1px 0;border:1px solid #7f7f7f4d;border-radius:999px;background-color:#7f7f7f14;font-size:12px;white-space:nowrap",
+    ),
+    ("art-chip", "font-size:12px;margin-right:8px;white-space:nowrap;opacity:0.7"),
+    (
+        "art-msg",
+        "border-left:3px solid #7f7f7f;padding:3px 10px 5px;margin:6px 0;background-color:#7f7f7f0d;border-radius:0 6px 6px 0",
+    ),
+    ("art-role", "font-size:11px;font-weight:bold;text-transform:uppercase;letter-spacing:0.04em"),
+    ("art-tag", "font-weight:normal;text-transform:none;letter-spacing:normal;margin-left:8px;opacity:0.7"),
+    ("art-text", "white-space:pre-wrap;overflow-wrap:break-word;max-height:28em;overflow:auto;margin-top:2px"),
+    ("art-empty", "font-style:italic;opacity:0.7"),
+    ("art-code", "font-family:Menlo,Consolas,DejaVu Sans Mono,monospace;font-size:12px"),
+    (
+        "art-call",
+        "background-color:#7f7f7f1a;border-radius:4px;padding:4px 8px;margin-top:4px;white-space:pre-wrap;overflow-wrap:break-word;max-height:20em;overflow:auto",
+    ),
+    ("art-fn", "font-weight:bold;color:#d97706"),
+    (
+        "art-note",
+        "font-size:12.5px;border-radius:6px;padding:5px 9px;background-color:#8b5cf61a;border:1px solid #8b5cf640;margin:6px 0",
+    ),
+    (
+        "art-err",
+        "font-size:12.5px;border-radius:6px;padding:5px 9px;background-color:#dc262614;border:1px solid #dc26264d;margin:6px 0;white-space:pre-wrap",
+    ),
+    ("art-more", "margin:4px 0"),
+    ("art-col", "border:1px solid #7f7f7f4d;border-radius:8px;padding:8px 10px;min-width:0;margin-bottom:8px"),
+    ("art-best", "border-color:#16a34a"),
+    ("art-bar", "height:6px;border-radius:3px;background-color:#7f7f7f33;overflow:hidden;margin:4px 0"),
+    ("art-fill", "display:block;height:6px;border-radius:3px"),
+    ("art-progress", "min-width:320px;max-width:640px"),
+    ("art-img", "max-width:260px;max-height:200px;border-radius:4px;margin-top:4px"),
+    ("art-chart", "margin:4px 12px 0 0"),
+    ("art-table-wrap", "overflow:auto;max-height:36em;margin-top:4px"),
+    ("art-table", "border-collapse:collapse;font-size:12.5px"),
+    ("art-th", "padding:3px 10px;text-align:left;vertical-align:bottom;font-weight:bold"),
+    ("art-td", "padding:3px 10px;text-align:left;vertical-align:top"),
+    ("art-num", "text-align:right;white-space:nowrap"),
+    ("art-str", "min-width:16em;max-width:40em;white-space:pre-wrap;overflow-wrap:break-word"),
+    ("art-null", "font-style:italic;opacity:0.7"),
+    ("art-dtype", "font-weight:normal;font-size:11px;opacity:0.7"),
+];
+
+/// A view's HTML ready to display: the style sheet, then `body` with every element's class styles
+/// ([`CLASS_STYLES`]) written into its `style` attribute, ahead of any style it already has (so
+/// an element's own style wins). `body` is our own markup: attribute values never hold a raw `"`
+/// or `>` (text is escaped), so scanning for `class="` is exact.
+pub(crate) fn styled(body: &str) -> String {
+    let mut out = String::with_capacity(STYLE.len() + body.len() * 2);
+    out.push_str(STYLE);
+    let mut rest = body;
+    while let Some(at) = rest.find(r#" class=""#) {
+        let value_start = at + r#" class=""#.len();
+        let value_len = rest[value_start..].find('"').unwrap_or(0);
+        let value_end = value_start + value_len;
+        let declarations: Vec<&str> = rest[value_start..value_end]
+            .split_whitespace()
+            .filter_map(|class| CLASS_STYLES.iter().find(|(c, _)| *c == class))
+            .map(|(_, style)| *style)
+            .collect();
+        out.push_str(&rest[..value_end + 1]);
+        rest = &rest[value_end + 1..];
+        if declarations.is_empty() {
+            continue;
+        }
+        let inline = declarations.join(";");
+        let tag_end = rest.find('>').unwrap_or(rest.len());
+        match rest[..tag_end].find(r#" style=""#) {
+            Some(style_at) => {
+                let value = style_at + r#" style=""#.len();
+                out.push_str(&rest[..value]);
+                out.push_str(&inline);
+                out.push(';');
+                rest = &rest[value..];
+            }
+            None => {
+                let _ = write!(out, r#" style="{inline}""#);
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The colour that marks a role's messages.
+fn role_colour(role: &str) -> &'static str {
+    match role {
+        "user" => "#3b82f6",
+        "assistant" => "#10b981",
+        "system" | "developer" => "#8b5cf6",
+        "tool" => "#d97706",
+        _ => "#7f7f7f",
+    }
+}
 
 /// Escapes text for HTML element content and attribute values.
 pub fn escape_html(text: &str) -> String {
@@ -98,18 +175,40 @@ pub(crate) fn strip_tags(html: &str) -> String {
         .replace("&amp;", "&")
 }
 
-/// A hue from red (worst) to green (best) for a reward within `[lo, hi]`; blue when there is no
+/// A hue from red (worst) to green (best) for a reward within `[lo, hi]`; none when there is no
 /// spread to compare against.
 fn reward_hue(reward: f64, lo: f64, hi: f64) -> Option<f64> {
     (hi > lo && reward.is_finite()).then(|| ((reward - lo) / (hi - lo)).clamp(0.0, 1.0) * 130.0)
 }
 
+/// `hsl(hue, 70%, 45%)` with `alpha` (0-255) as `#rrggbbaa`: notebook sanitizers accept hex
+/// colours in inline styles but not `hsla()`.
+fn hue_colour(hue: f64, alpha: u8) -> String {
+    let (s, l) = (0.70, 0.45);
+    let chroma = (1.0 - (2.0 * l - 1.0f64).abs()) * s;
+    let h = hue.rem_euclid(360.0) / 60.0;
+    let x = chroma * (1.0 - (h % 2.0 - 1.0).abs());
+    let (r, g, b) = match h as u32 {
+        0 => (chroma, x, 0.0),
+        1 => (x, chroma, 0.0),
+        2 => (0.0, chroma, x),
+        3 => (0.0, x, chroma),
+        4 => (x, 0.0, chroma),
+        _ => (chroma, 0.0, x),
+    };
+    let m = l - chroma / 2.0;
+    let byte = |v: f64| ((v + m) * 255.0).round().clamp(0.0, 255.0) as u8;
+    format!("#{:02x}{:02x}{:02x}{alpha:02x}", byte(r), byte(g), byte(b))
+}
+
 fn reward_badge(label: &str, reward: f64, lo: f64, hi: f64) -> String {
     let style = match reward_hue(reward, lo, hi) {
-        Some(h) => {
-            format!("background:hsla({h:.0},70%,45%,.18);border-color:hsla({h:.0},70%,45%,.55)")
-        }
-        None => "background:rgba(59,130,246,.14);border-color:rgba(59,130,246,.5)".to_string(),
+        Some(h) => format!(
+            "background-color:{};border-color:{}",
+            hue_colour(h, 0x2e),
+            hue_colour(h, 0x8c)
+        ),
+        None => "background-color:#3b82f624;border-color:#3b82f680".to_string(),
     };
     format!(
         r#"<span class="art-badge" style="{style}">{} <b>{}</b></span>"#,
@@ -252,18 +351,20 @@ fn item_html(item: &MessageOrChoice, tool_names: &mut HashMap<String, String>) -
             let ellipsis = if text.chars().count() > 90 { "…" } else { "" };
             let _ = write!(
                 out,
-                r#"<details class="art-msg art-system"><summary class="art-role">{}<span class="art-tag">{}{}</span></summary>{}</details>"#,
+                r#"<details class="art-msg art-system" style="border-left-color:{c}"><summary class="art-role" style="color:{c}">{}<span class="art-tag">{}{}</span></summary>{}</details>"#,
                 message.role(),
                 escape_html(&preview.replace('\n', " ")),
                 ellipsis,
-                content_html(&m.content)
+                content_html(&m.content),
+                c = role_colour("system")
             );
         }
         Message::User(m) => {
             let _ = write!(
                 out,
-                r#"<div class="art-msg art-user"><div class="art-role">user</div>{}</div>"#,
-                content_html(&m.content)
+                r#"<div class="art-msg art-user" style="border-left-color:{c}"><div class="art-role" style="color:{c}">user</div>{}</div>"#,
+                content_html(&m.content),
+                c = role_colour("user"),
             );
         }
         Message::Assistant(m) => {
@@ -283,7 +384,8 @@ fn item_html(item: &MessageOrChoice, tool_names: &mut HashMap<String, String>) -
             }
             let _ = write!(
                 out,
-                r#"<div class="art-msg art-assistant"><div class="art-role">assistant<span class="art-tag">{tag}</span></div>"#
+                r#"<div class="art-msg art-assistant" style="border-left-color:{c}"><div class="art-role" style="color:{c}">assistant<span class="art-tag">{tag}</span></div>"#,
+                c = role_colour("assistant")
             );
             match &m.content {
                 Some(content) if !content.text().is_empty() || m.tool_calls.is_empty() => {
@@ -319,9 +421,10 @@ fn item_html(item: &MessageOrChoice, tool_names: &mut HashMap<String, String>) -
                 .unwrap_or_default();
             let _ = write!(
                 out,
-                r#"<div class="art-msg art-tool"><div class="art-role">tool result<span class="art-tag">{name}{}</span></div><div class="art-call art-code">{}</div></div>"#,
+                r#"<div class="art-msg art-tool" style="border-left-color:{c}"><div class="art-role" style="color:{c}">tool result<span class="art-tag">{name}{}</span></div><div class="art-call art-code">{}</div></div>"#,
                 escape_html(&m.tool_call_id),
-                escape_html(&pretty_arguments(&m.content.text()))
+                escape_html(&pretty_arguments(&m.content.text())),
+                c = role_colour("tool"),
             );
         }
     }
@@ -419,8 +522,8 @@ fn trajectory_body(trajectory: &Trajectory, from: usize) -> String {
 }
 
 pub(crate) fn trajectory_html(trajectory: &Trajectory) -> String {
-    let mut out = format!(
-        r#"{STYLE}<div class="art-root"><div class="art-card"><div class="art-head"><span class="art-title">Trajectory</span>"#
+    let mut out = String::from(
+        r#"<div class="art-root"><div class="art-card"><div class="art-head"><span class="art-title">Trajectory</span>"#,
     );
     out.push_str(&reward_badge("reward", trajectory.reward, 0.0, 0.0));
     out.push_str(&metric_badges(&trajectory.metrics, &[]));
@@ -443,15 +546,15 @@ pub(crate) fn trajectory_html(trajectory: &Trajectory) -> String {
     out.push_str(&ruler_note(trajectory));
     out.push_str(&trajectory_body(trajectory, 0));
     out.push_str("</div></div>");
-    out
+    styled(&out)
 }
 
 pub(crate) fn group_html(group: &TrajectoryGroup) -> String {
     let rewards = group.rewards();
     let lo = rewards.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = rewards.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let mut out = format!(
-        r#"{STYLE}<div class="art-root"><div class="art-card"><div class="art-head"><span class="art-title">TrajectoryGroup</span>"#
+    let mut out = String::from(
+        r#"<div class="art-root"><div class="art-card"><div class="art-head"><span class="art-title">TrajectoryGroup</span>"#,
     );
     let _ = write!(
         out,
@@ -472,7 +575,7 @@ pub(crate) fn group_html(group: &TrajectoryGroup) -> String {
     if !group.exceptions.is_empty() {
         let _ = write!(
             out,
-            r#"<span class="art-badge" style="border-color:rgba(220,38,38,.5);background:rgba(220,38,38,.1)">exceptions <b>{}</b></span>"#,
+            r#"<span class="art-badge" style="border-color:#dc262680;background-color:#dc26261a">exceptions <b>{}</b></span>"#,
             group.exceptions.len()
         );
     }
@@ -530,7 +633,8 @@ pub(crate) fn group_html(group: &TrajectoryGroup) -> String {
             let width = (trajectory.reward - lo) / (hi - lo) * 100.0;
             let _ = write!(
                 out,
-                r#"<div class="art-bar"><span style="width:{width:.0}%;background:hsla({h:.0},70%,45%,.8)"></span></div>"#
+                r#"<div class="art-bar"><span class="art-fill" style="width:{width:.0}%;background-color:{}"></span></div>"#,
+                hue_colour(h, 0xcc)
             );
         }
         out.push_str(&ruler_note(trajectory));
@@ -548,7 +652,7 @@ pub(crate) fn group_html(group: &TrajectoryGroup) -> String {
     }
     out.push_str(&logs_html(&group.logs));
     out.push_str("</div></div>");
-    out
+    styled(&out)
 }
 
 fn item_text(item: &MessageOrChoice) -> String {
@@ -683,6 +787,51 @@ mod tests {
             group_text(&group),
             "TrajectoryGroup: 2 trajectories, rewards [0.2, 0.9], mean 0.55"
         );
+    }
+
+    #[test]
+    fn class_styles_are_written_inline_before_an_elements_own_style() {
+        let html = styled(
+            r#"<div class="art-root"><span class="art-badge" style="border-color:#ff0000">a</span><b class="unknown">b</b></div>"#,
+        );
+        assert!(html.starts_with(STYLE));
+        let body = &html[STYLE.len()..];
+        let badge = CLASS_STYLES
+            .iter()
+            .find(|(c, _)| *c == "art-badge")
+            .unwrap()
+            .1;
+        assert!(body.contains(&format!(
+            r#"class="art-badge" style="{badge};border-color:#ff0000">a"#
+        )));
+        assert!(body.starts_with(r#"<div class="art-root" style="font-size:13px;"#));
+        assert!(body.contains(r#"<b class="unknown">b</b>"#));
+    }
+
+    #[test]
+    fn inline_styles_use_only_what_notebook_sanitizers_keep() {
+        // JupyterLab validates each inline declaration and drops the ones it does not know.
+        for (class, style) in CLASS_STYLES {
+            for bad in ["var(", "hsl", "gap", "anywhere", "rgba(", "flex", "grid"] {
+                assert!(!style.contains(bad), "{class}: {bad} in {style}");
+            }
+        }
+        let group = TrajectoryGroup::new([
+            weather_trajectory(0.2, "no idea"),
+            weather_trajectory(0.9, "18°C, clear"),
+        ]);
+        let html = group_html(&group);
+        let body = &html[STYLE.len()..];
+        assert!(!body.contains("<style") && !body.contains("hsl") && !body.contains("<svg"));
+        // Every message carries its role colour itself.
+        assert!(body.contains("border-left-color:#10b981"));
+    }
+
+    #[test]
+    fn reward_hues_are_hex_colours() {
+        assert_eq!(hue_colour(0.0, 0xff), "#c32222ff");
+        assert_eq!(hue_colour(120.0, 0x80), "#22c32280");
+        assert_eq!(hue_colour(130.0, 0).len(), 9);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::html::{escape_html, format_number, STYLE};
+use super::html::{escape_html, format_number, styled};
 use super::{Display, MimeBundle, Render};
 use crate::gather::GatherProgress;
 
@@ -101,7 +101,7 @@ impl Render for ProgressSnapshot {
             String::new()
         };
         let mut html = format!(
-            r#"{STYLE}<div class="art-root art-progress"><div class="art-head"><span class="art-title">{}</span><span class="art-badge">rollouts <b>{}/{}</b></span><span class="art-badge">groups <b>{}/{}</b></span><span class="art-badge">mean reward <b>{}</b></span>"#,
+            r#"<div class="art-root art-progress"><div class="art-head"><span class="art-title">{}</span><span class="art-badge">rollouts <b>{}/{}</b></span><span class="art-badge">groups <b>{}/{}</b></span><span class="art-badge">mean reward <b>{}</b></span>"#,
             escape_html(&self.description),
             p.done,
             p.total,
@@ -112,13 +112,13 @@ impl Render for ProgressSnapshot {
         if p.exceptions > 0 {
             let _ = write!(
                 html,
-                r#"<span class="art-badge" style="border-color:rgba(220,38,38,.5);background:rgba(220,38,38,.1)">failed <b>{}</b></span>"#,
+                r#"<span class="art-badge" style="border-color:#dc262680;background-color:#dc26261a">failed <b>{}</b></span>"#,
                 p.exceptions
             );
         }
         let _ = write!(
             html,
-            r#"<span class="art-chip">{seconds:.1}s{rate}</span></div><div class="art-bar"><span style="width:{:.1}%;background:{colour}"></span></div>"#,
+            r#"<span class="art-chip">{seconds:.1}s{rate}</span></div><div class="art-bar"><span class="art-fill" style="width:{:.1}%;background-color:{colour}"></span></div>"#,
             fraction * 100.0
         );
         if let Some(remark) = &self.remark {
@@ -141,7 +141,7 @@ impl Render for ProgressSnapshot {
             seconds
         );
         MimeBundle::new()
-            .with("text/html", html)
+            .with("text/html", styled(&html))
             .with("text/plain", text)
     }
 }

@@ -5,7 +5,7 @@ use std::fmt::Write;
 
 use polars_core::prelude::{AnyValue, DataFrame};
 
-use super::html::{escape_html, format_number, STYLE};
+use super::html::{escape_html, format_number, styled};
 use super::{MimeBundle, Render};
 
 /// Frames taller than this show their first and last rows around an ellipsis row (as polars'
@@ -27,12 +27,12 @@ impl Render for DataFrame {
 fn frame_html(frame: &DataFrame) -> String {
     let (height, width) = frame.shape();
     let mut html = format!(
-        r#"{STYLE}<div class="art-root"><div class="art-chip">{height} rows &times; {width} columns</div><div class="art-table-wrap"><table class="art-table"><thead><tr>"#
+        r#"<div class="art-root"><div class="art-chip">{height} rows &times; {width} columns</div><div class="art-table-wrap"><table class="art-table"><thead><tr>"#
     );
     for column in frame.columns() {
         let _ = write!(
             html,
-            r#"<th>{}<div class="art-dtype">{}</div></th>"#,
+            r#"<th class="art-th">{}<div class="art-dtype">{}</div></th>"#,
             escape_html(column.name()),
             escape_html(&column.dtype().to_string())
         );
@@ -42,7 +42,7 @@ fn frame_html(frame: &DataFrame) -> String {
         let Some(row) = row else {
             let _ = write!(
                 html,
-                r#"<tr><td class="art-gap" colspan="{width}">&hellip;</td></tr>"#
+                r#"<tr><td class="art-td art-null" colspan="{width}">&hellip;</td></tr>"#
             );
             continue;
         };
@@ -54,7 +54,7 @@ fn frame_html(frame: &DataFrame) -> String {
         html.push_str("</tr>");
     }
     html.push_str("</tbody></table></div></div>");
-    html
+    styled(&html)
 }
 
 /// The row indices to show; `None` marks the cut.
@@ -81,7 +81,7 @@ fn cell_html(value: &AnyValue) -> String {
         other if other.is_primitive_numeric() => ("art-num", other.to_string()),
         other => ("", cut(&other.to_string())),
     };
-    format!(r#"<td class="{class}">{}</td>"#, escape_html(&text))
+    format!(r#"<td class="art-td {class}">{}</td>"#, escape_html(&text))
 }
 
 fn cut(text: &str) -> String {
@@ -107,11 +107,13 @@ mod tests {
         let bundle = frame.render();
         let html = bundle.get("text/html").unwrap().as_str().unwrap();
         assert!(html.contains("2 rows &times; 3 columns"), "{html}");
-        assert!(html.contains("<th>reward<div class=\"art-dtype\">f64</div></th>"));
+        assert!(html.contains(r#"<th class="art-th" style="#) && html.contains(">reward<div"));
         assert!(html.contains("&lt;b&gt;7&lt;/b&gt;") && !html.contains("<b>7</b>"));
         assert!(html.contains(&format!("{}…", "x".repeat(MAX_CELL_CHARS))));
         assert!(!html.contains(&"x".repeat(MAX_CELL_CHARS + 1)));
-        assert!(html.contains(r#"<td class="art-num">0.5</td>"#));
+        assert!(
+            html.contains(r#"<td class="art-td art-num" style="#) && html.contains(">0.5</td>")
+        );
         assert!(bundle.text().contains("reward"));
     }
 

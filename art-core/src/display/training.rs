@@ -5,8 +5,8 @@ use std::fmt::Write;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::html::{escape_html, format_number, STYLE};
-use super::{Display, MimeBundle, Render};
+use super::html::{escape_html, format_number, styled};
+use super::{base64, Display, MimeBundle, Render};
 use crate::types::{StepResult, TrainProgress};
 
 /// Updates during a step are sent at most this often (a step's last one always goes out).
@@ -115,7 +115,7 @@ impl Render for TrainingSnapshot {
         let last = self.steps.last();
         let first = self.steps.first();
         let mut html = format!(
-            r#"{STYLE}<div class="art-root art-progress"><div class="art-head"><span class="art-title">{}</span>"#,
+            r#"<div class="art-root art-progress"><div class="art-head"><span class="art-title">{}</span>"#,
             escape_html(&self.description)
         );
         let mut text = format!("{}:", self.description);
@@ -149,7 +149,7 @@ impl Render for TrainingSnapshot {
             };
             let _ = write!(
                 html,
-                r#"<div class="art-chip">step {} · micro-batch {}/{} · {}/{} tokens · loss so far {}</div><div class="art-bar"><span style="width:{:.1}%;background:#3b82f6"></span></div>"#,
+                r#"<div class="art-chip">step {} · micro-batch {}/{} · {}/{} tokens · loss so far {}</div><div class="art-bar"><span class="art-fill" style="width:{:.1}%;background-color:#3b82f6"></span></div>"#,
                 p.step,
                 p.micro_batch,
                 p.micro_batches,
@@ -169,14 +169,24 @@ impl Render for TrainingSnapshot {
                 self.steps.iter().map(|&(s, r, _)| (s as f64, r)).collect();
             let losses: Vec<(f64, f64)> =
                 self.steps.iter().map(|&(s, _, l)| (s as f64, l)).collect();
-            html.push_str(r#"<div style="display:flex;flex-wrap:wrap;gap:12px">"#);
-            html.push_str(&line_chart("reward", &rewards, "#16a34a"));
-            html.push_str(&line_chart("loss", &losses, "#8b5cf6"));
+            // As images, not inline <svg>: notebook sanitizers drop inline SVG from untrusted
+            // outputs, but keep an <img> with a data URL.
+            html.push_str("<div>");
+            for (title, points, colour) in [
+                ("reward", &rewards, "#16a34a"),
+                ("loss", &losses, "#8b5cf6"),
+            ] {
+                let _ = write!(
+                    html,
+                    r#"<img class="art-chart" alt="{title}" src="data:image/svg+xml;base64,{}">"#,
+                    base64(line_chart(title, points, colour).as_bytes())
+                );
+            }
             html.push_str("</div>");
         }
         html.push_str("</div>");
         MimeBundle::new()
-            .with("text/html", html)
+            .with("text/html", styled(&html))
             .with("text/plain", text)
     }
 }
@@ -199,7 +209,7 @@ pub(crate) fn line_chart(title: &str, points: &[(f64, f64)], colour: &str) -> St
     let sx = |x: f64| LEFT + (x - x0) / (x1 - x0) * (W - LEFT - RIGHT);
     let sy = |y: f64| TOP + (1.0 - (y - y0) / (y1 - y0)) * (H - TOP - BOTTOM);
     let mut svg = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="10" fill="currentColor"><text x="{LEFT}" y="11" font-weight="600">{}</text><line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{}" stroke="currentColor" stroke-opacity=".3"/><line x1="{LEFT}" y1="{}" x2="{}" y2="{}" stroke="currentColor" stroke-opacity=".3"/>"#,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="10" fill="gray"><text x="{LEFT}" y="11" font-weight="600">{}</text><line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{}" stroke="gray" stroke-opacity=".5"/><line x1="{LEFT}" y1="{}" x2="{}" y2="{}" stroke="gray" stroke-opacity=".5"/>"#,
         escape_html(title),
         H - BOTTOM,
         H - BOTTOM,
@@ -288,7 +298,13 @@ mod tests {
         assert!(html.contains("reward <b>0.75</b>"));
         assert!(html.contains("micro-batch 1/4"));
         assert!(html.contains("width:25.0%"));
-        assert_eq!(html.matches("<svg").count(), 2, "a reward and a loss chart");
+        // A reward and a loss chart, as images (untrusted notebooks drop inline SVG).
+        assert_eq!(
+            html.matches(r#"<img class="art-chart""#).count(),
+            2,
+            "{html}"
+        );
+        assert!(!html.contains("<svg"));
         assert_eq!(
             bundle.text(),
             "GRPO: step 2, reward 0.75 (first 0.25), loss 0.25; step 3: 1/4 micro-batches"
