@@ -11,6 +11,7 @@ use art_core::display::wire::DisplayMessage;
 use crossbeam_channel::{Receiver, Select, Sender};
 use evcxr::{CommandContext, EvalContext, EvalContextOutputs};
 
+use crate::child::CELL_FAILED;
 use crate::protocol::{
     Bundle, Completions, Engine, ErrorReport, Interrupter, LanguageDescription, Output, OutputSink,
 };
@@ -19,6 +20,9 @@ pub struct EvcxrEngine {
     context: CommandContext,
     pump: Pump,
     control: Arc<Control>,
+    /// Set by the output thread when the child reports that a cell's `?` returned an error.
+    question_mark_failed: Arc<AtomicBool>,
+    sink: OutputSink,
 }
 
 impl EvcxrEngine {
@@ -49,10 +53,13 @@ impl EvcxrEngine {
             interrupted: AtomicBool::new(false),
             child: context.process_handle(),
         });
+        let question_mark_failed = Arc::new(AtomicBool::new(false));
         let mut engine = EvcxrEngine {
-            pump: Pump::spawn(outputs, sink),
+            pump: Pump::spawn(outputs, sink.clone(), question_mark_failed.clone()),
             context,
             control,
+            question_mark_failed,
+            sink,
         };
         engine
             .execute(prelude)
@@ -78,6 +85,7 @@ impl EvcxrEngine {
 impl Engine for EvcxrEngine {
     fn execute(&mut self, code: &str) -> Result<Option<Bundle>, ErrorReport> {
         self.control.interrupted.store(false, Ordering::SeqCst);
+        self.question_mark_failed.store(false, Ordering::SeqCst);
         self.control.executing.store(true, Ordering::SeqCst);
         let result = self.context.execute(code);
         self.control.executing.store(false, Ordering::SeqCst);
@@ -96,7 +104,24 @@ impl Engine for EvcxrEngine {
             });
         }
         match result {
+            Ok(_) if self.question_mark_failed.swap(false, Ordering::SeqCst) => Err(ErrorReport {
+                ename: "Error".into(),
+                evalue: "a `?` in the cell returned an error".into(),
+                traceback: vec![
+                    "\x1b[1;31mError\x1b[0m: a `?` in the cell returned the error printed above; the cell stopped there.".into(),
+                    "Variables the cell defined are not kept.".into(),
+                ],
+            }),
             Ok(outputs) => {
+                // After `:timing`, where each cell's time went (evcxr measures, we print).
+                if outputs.timing.is_some() {
+                    let phases: Vec<String> = outputs
+                        .phases
+                        .iter()
+                        .map(|p| format!("{}: {} ms", p.name, p.duration.as_millis()))
+                        .collect();
+                    (self.sink)(Output::Stderr(format!("timing: {}\n", phases.join(", "))));
+                }
                 let mut bundle = Bundle::new();
                 for (mime, content) in outputs.content_by_mime_type {
                     let value = if mime.contains("json") {
@@ -285,11 +310,19 @@ struct Pump {
 }
 
 impl Pump {
-    fn spawn(outputs: EvalContextOutputs, sink: OutputSink) -> Pump {
+    fn spawn(outputs: EvalContextOutputs, sink: OutputSink, failed: Arc<AtomicBool>) -> Pump {
         let (flush, flush_requests) = crossbeam_channel::unbounded::<Sender<()>>();
         std::thread::Builder::new()
             .name("art-kernel-output".into())
-            .spawn(move || pump(outputs.stdout, outputs.stderr, flush_requests, sink))
+            .spawn(move || {
+                pump(
+                    outputs.stdout,
+                    outputs.stderr,
+                    flush_requests,
+                    sink,
+                    &failed,
+                )
+            })
             .expect("cannot start the output thread");
         Pump { flush }
     }
@@ -307,6 +340,7 @@ fn pump(
     stderr: Receiver<String>,
     flush_requests: Receiver<Sender<()>>,
     sink: OutputSink,
+    failed: &AtomicBool,
 ) {
     let mut text = Batch::default();
     loop {
@@ -317,7 +351,7 @@ fn pump(
         let operation = select.select();
         match operation.index() {
             i if i == out_index => match operation.recv(&stdout) {
-                Ok(line) => text.stdout(line, &sink),
+                Ok(line) => text.stdout(line, &sink, failed),
                 Err(_) => break,
             },
             i if i == err_index => match operation.recv(&stderr) {
@@ -329,7 +363,7 @@ fn pump(
                     break;
                 };
                 while let Ok(line) = stdout.try_recv() {
-                    text.stdout(line, &sink);
+                    text.stdout(line, &sink, failed);
                 }
                 while let Ok(line) = stderr.try_recv() {
                     text.stderr(line);
@@ -355,7 +389,11 @@ struct Batch {
 }
 
 impl Batch {
-    fn stdout(&mut self, line: String, sink: &OutputSink) {
+    fn stdout(&mut self, line: String, sink: &OutputSink, failed: &AtomicBool) {
+        if line == CELL_FAILED {
+            failed.store(true, Ordering::SeqCst);
+            return;
+        }
         match DisplayMessage::parse_line(&line) {
             Some(display) => {
                 // Keep order: text printed before the display goes out first.
@@ -408,6 +446,7 @@ mod tests {
                 stderr: err_rx,
             },
             sink,
+            Arc::new(AtomicBool::new(false)),
         );
         let mut data = serde_json::Map::new();
         data.insert("text/html".into(), "<b>x</b>".into());
@@ -420,6 +459,7 @@ mod tests {
         out_tx.send("before".to_string()).unwrap();
         out_tx.send(display.to_line()).unwrap();
         out_tx.send("after".to_string()).unwrap();
+        out_tx.send(CELL_FAILED.to_string()).unwrap();
         err_tx.send("oops".to_string()).unwrap();
         pump.flush();
         let seen = seen.lock().unwrap().clone();
@@ -437,5 +477,9 @@ mod tests {
             .iter()
             .any(|o| matches!(o, Output::Stdout(t) if t.contains("after"))));
         assert!(seen.contains(&Output::Stderr("oops\n".into())));
+        // The failure marker is noted, not shown.
+        assert!(!seen
+            .iter()
+            .any(|o| matches!(o, Output::Stdout(t) if t.contains(CELL_FAILED))));
     }
 }

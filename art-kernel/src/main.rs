@@ -12,6 +12,7 @@
 //! `protocol::Engine`; `engine` is the evcxr engine and knows nothing of Jupyter; `config` and
 //! `install` hold what is decided at install time.
 
+mod child;
 mod config;
 mod engine;
 mod install;
@@ -33,7 +34,8 @@ usage:
 
 fn main() {
     // When this binary is started as evcxr's child (running cells, or wrapping rustc), this runs
-    // that role and never returns. It must come first.
+    // that role and never returns. It must come first (after the child's stdout relay).
+    child::relay_stdout_if_child();
     evcxr::runtime_hook();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {

@@ -7,9 +7,11 @@ The kernelspec is installed into a temporary prefix; the build cache is the kern
 (ART_KERNEL_CACHE or ~/.cache/art-kernel), so a cold machine spends minutes in the install step.
 """
 
+import base64
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -326,8 +328,11 @@ for step in 1..=3u64 {
         self.assertGreaterEqual(len(updates), 5, outputs)
         final = updates[-1]["content"]["data"]
         self.assertEqual(final["text/plain"], "GRPO: step 3, reward 1 (first 0.333), loss 0.167")
-        self.assertEqual(final["text/html"].count("<svg"), 2)
-        self.assertEqual(final["text/html"].count("<circle"), 6)
+        # The curves are images (data URLs), which untrusted notebooks still show.
+        charts = re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', final["text/html"])
+        self.assertEqual(len(charts), 2)
+        svgs = [base64.b64decode(c).decode() for c in charts]
+        self.assertEqual(sum(svg.count("<circle") for svg in svgs), 6)
 
     def test_14_frames_and_charts_show_as_cell_results(self):
         k = kernel()
@@ -351,6 +356,23 @@ plots::reward_distribution_chart(&[group.clone()])
         chart = of_type(outputs, "execute_result")[0]["content"]["data"]
         self.assertIn("image/svg+xml", chart, chart)
         self.assertIn("<svg", chart["image/svg+xml"])
+        # And a PNG for front ends that do not show SVG (JupyterLab, untrusted).
+        self.assertTrue(base64.b64decode(chart["image/png"]).startswith(b"\x89PNG"))
+
+    def test_15_a_failed_question_mark_is_an_error(self):
+        k = kernel()
+        reply, outputs = k.run('let n: i32 = "x7".parse()?;\nprintln!("not reached {n}");')
+        self.assertEqual(reply["content"]["status"], "error", outputs)
+        errors = of_type(outputs, "error")
+        self.assertEqual(len(errors), 1, outputs)
+        self.assertIn("`?`", errors[0]["content"]["evalue"])
+        self.assertIn("invalid digit", text_of(outputs))
+        self.assertNotIn("not reached", text_of(outputs))
+        self.assertNotIn("ART_KERNEL_CELL_FAILED", text_of(outputs))
+        # The next cell is fine again.
+        reply, outputs = k.run('let m: i32 = "7".parse()?;\nm')
+        self.assertEqual(reply["content"]["status"], "ok", outputs)
+        self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"], "7")
 
 
 def main():
