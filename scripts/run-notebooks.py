@@ -2,8 +2,7 @@
 
     ART_KERNEL_BIN=target/debug/art-kernel .venv/bin/python scripts/run-notebooks.py [--write] [NOTEBOOK ...]
 
-Fails on the first cell whose output is an error (a compile error, a panic; a failed `?` only
-prints its error, and the first later cell using what it defined fails to compile), and checks
+Fails on the first cell whose output is an error (a compile error, a panic, a failed `?`), and checks
 that notebook 3's trained reward beats its base reward, read from its printed output. `--write` saves
 the outputs into the notebook files (to refresh the committed outputs); without it the files are left
 as they are. The kernelspec is installed into a temporary prefix; the build cache is the kernel's
