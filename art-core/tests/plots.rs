@@ -218,16 +218,20 @@ fn training_chart_has_loss_and_grad_norm_panels() {
 fn reward_distribution_shows_every_trajectory_and_group_means() {
     let chart = reward_distribution_chart(&groups());
     let svg = chart.to_svg().unwrap();
-    for text in ["Rewards by group", "group", "reward", "group mean"] {
+    for text in [
+        "Rewards by group",
+        "group (dots: trajectories, bars: group mean)",
+        "reward",
+    ] {
         assert!(has_text(&svg, text), "missing {text}");
     }
-    // 4 trajectories + 1 legend marker; 2 means + 1 legend sample.
-    assert_eq!(svg.matches("<circle").count(), 5);
+    // 4 trajectories and 2 means; no legend box (it covered points).
+    assert_eq!(svg.matches("<circle").count(), 4);
     let means = svg
         .lines()
         .filter(|l| l.contains("<polyline") && l.contains("#D62728"))
         .count();
-    assert_eq!(means, 3);
+    assert_eq!(means, 2);
     let png = chart.to_png().unwrap();
     save("distribution.png", &png);
     assert!(decode(&png).distinct_colours() > 20);

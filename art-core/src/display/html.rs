@@ -219,6 +219,8 @@ fn reward_badge(label: &str, reward: f64, lo: f64, hi: f64) -> String {
 
 /// A number for people: integers plain, others with 3 significant decimals.
 pub(crate) fn format_number(value: f64) -> String {
+    // -0 (a loss that rounds to nothing below zero) reads as 0.
+    let value = if value == 0.0 { 0.0 } else { value };
     if value.fract() == 0.0 && value.abs() < 1e15 {
         format!("{value:.0}")
     } else if value.abs() >= 100.0 {
@@ -837,6 +839,7 @@ mod tests {
     #[test]
     fn numbers_read_well() {
         assert_eq!(format_number(1.0), "1");
+        assert_eq!(format_number(-0.0), "0");
         assert_eq!(format_number(0.5), "0.5");
         assert_eq!(format_number(0.123456), "0.123");
         assert_eq!(format_number(1234.56), "1234.6");

@@ -168,7 +168,9 @@ mod tests {
         entry.metrics.insert("exception_rate".into(), 0.0);
         // Values serde_json's default parser reads back one unit off (workspace feature
         // `float_roundtrip` makes them exact).
-        entry.metrics.insert("tokens_per_second".into(), 985.6906946328695);
+        entry
+            .metrics
+            .insert("tokens_per_second".into(), 985.6906946328695);
         entry.metrics.insert("loss".into(), 212.91890726713459);
         entry.recorded_at = Some(rfc3339(1_749_924_525, 0));
         let line = entry.to_json_line();
