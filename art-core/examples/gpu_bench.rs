@@ -338,6 +338,18 @@ fn train(args: &Args, device: &Device) {
     }
 }
 
+/// `max |t|` over every element of an f64 tensor.
+fn max_abs(t: &Tensor) -> f64 {
+    t.abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
 /// `max |a - b|` and `max |b|` over two tensors of one shape (any devices, any float dtype).
 fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
     let a = a
@@ -350,26 +362,7 @@ fn diff(a: &Tensor, b: &Tensor) -> (f64, f64) {
         .unwrap()
         .to_dtype(DType::F64)
         .unwrap();
-    let d = (&a - &b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    let m = b
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f64>()
-        .unwrap();
-    (d, m)
+    (max_abs(&(&a - &b).unwrap()), max_abs(&b))
 }
 
 fn check(label: &str, d: f64, scale: f64, tol: f64, failures: &mut usize) {
