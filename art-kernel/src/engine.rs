@@ -29,6 +29,7 @@ impl EvcxrEngine {
     /// Starts the evaluation context (in the build directory named by `EVCXR_TMPDIR`) and runs
     /// `prelude`. Output of the child process goes to `sink`.
     pub fn start(prelude: &str, sink: OutputSink) -> Result<Self> {
+        let started = std::time::Instant::now();
         let mut command = Command::new(std::env::current_exe()?);
         // The child that runs cells gets its own process group: a SIGINT sent to the kernel's
         // group (Jupyter's interrupt) stops compilers, and we decide whether to stop the child.
@@ -64,6 +65,7 @@ impl EvcxrEngine {
         engine
             .execute(prelude)
             .map_err(|report| anyhow!("the prelude failed:\n{}", report.traceback.join("\n")))?;
+        eprintln!("art-kernel: prelude done in {:.1?}", started.elapsed());
         Ok(engine)
     }
 
@@ -159,6 +161,23 @@ impl Engine for EvcxrEngine {
 
     fn interrupter(&self) -> Arc<dyn Interrupter> {
         self.control.clone()
+    }
+
+    /// evcxr asks rust-analyzer for the type of every variable a cell defines. The first such
+    /// question indexes the trait impls and lang items of every crate in the cells' dependency
+    /// graph (~11 s for art-core's, BENCHMARKS.md "Notebook kernel"). A completion needs the same
+    /// index and neither runs nor defines anything: asking for one while the user reads the
+    /// notebook makes their first `let` cell take ~1 s instead of ~13 s.
+    fn warm_up(&mut self) {
+        const CODE: &str = "let art_kernel_warm_up = 1u8; art_kernel_warm_up.";
+        let started = std::time::Instant::now();
+        match self.context.completions(CODE, CODE.len()) {
+            Ok(_) => eprintln!(
+                "art-kernel: analysis warmed up in {:.1?}",
+                started.elapsed()
+            ),
+            Err(error) => eprintln!("art-kernel: analysis warm-up failed: {error}"),
+        }
     }
 }
 

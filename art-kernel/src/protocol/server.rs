@@ -3,6 +3,7 @@
 //! cell runs, and SIGINT interrupts like `interrupt_request` does.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{bail, Context, Result};
@@ -32,6 +33,9 @@ struct Kernel {
     parent: Mutex<Option<JupyterMessage>>,
     language: LanguageDescription,
     interrupter: OnceLock<Arc<dyn Interrupter>>,
+    /// A cell was sent before the engine was ready ("Run All" right after opening): it does the
+    /// engine's warm-up work itself, so the warm-up is skipped rather than run in front of it.
+    cell_requested: AtomicBool,
 }
 
 impl Kernel {
@@ -178,6 +182,7 @@ where
         parent: Mutex::new(None),
         language,
         interrupter: OnceLock::new(),
+        cell_requested: AtomicBool::new(false),
     });
 
     tokio::spawn(async move {
@@ -225,12 +230,23 @@ where
         let sink_kernel = kernel.clone();
         let sink: OutputSink = Arc::new(move |output| sink_kernel.output(output));
         let kernel = kernel.clone();
-        tokio::task::spawn_blocking(move || {
-            let result = start_engine(sink).map(|engine| {
+        tokio::task::spawn_blocking(move || match start_engine(sink) {
+            Ok(engine) => {
                 let _ = kernel.interrupter.set(engine.interrupter());
-                Arc::new(Mutex::new(engine))
-            });
-            let _ = engine_tx.send(result.map_err(|e| format!("{e:#}")));
+                let engine = Arc::new(Mutex::new(engine));
+                // The kernel is ready now; the warm-up holds the engine, so a cell sent meanwhile
+                // waits for it instead of racing it.
+                let mut warming = engine.lock().unwrap_or_else(|e| e.into_inner());
+                let _ = engine_tx.send(Ok(engine.clone()));
+                if kernel.cell_requested.load(Ordering::SeqCst) {
+                    eprintln!("art-kernel: no warm-up, a cell came first");
+                } else {
+                    warming.warm_up();
+                }
+            }
+            Err(error) => {
+                let _ = engine_tx.send(Err(format!("{error:#}")));
+            }
         });
     }
 
@@ -412,6 +428,7 @@ async fn handle_shell<E: Engine>(
             ShellAction::Reply(kernel.kernel_info().into())
         }
         JupyterMessageContent::ExecuteRequest(execute) => {
+            kernel.cell_requested.store(true, Ordering::SeqCst);
             let silent = execute.silent;
             if !silent {
                 state.execution_count += 1;
