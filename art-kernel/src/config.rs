@@ -101,7 +101,7 @@ impl KernelConfig {
 :dep tokio = {TOKIO_DEP}
 :dep serde_json = {{ version = \"1\" }}
 use art_core::*;
-use art_core::display::{{self, Display, RichDisplay}};
+use art_core::display::{{self, DebugDisplay, Display, RichDisplay}};
 async fn art_kernel_ready() {{}}
 art_kernel_ready().await;
 ",

@@ -394,6 +394,31 @@ plots::reward_distribution_chart(&[group.clone()])
         self.assertEqual(reply["content"]["status"], "ok", outputs)
         self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"], "7")
 
+    def test_16_plain_results_compile_once_and_rich_ones_stay_rich(self):
+        k = kernel()
+
+        def result(code):
+            reply, outputs = k.run(":timing\n" + code)
+            self.assertEqual(reply["content"]["status"], "ok", outputs)
+            k.run(":timing")  # back off
+            return of_type(outputs, "execute_result")[0]["content"]["data"], text_of(outputs)
+
+        # An expression without a rich view: Debug text, compiled once (no "Fallback" phase).
+        data, log = result("vec![1, 2].len() + 1")
+        self.assertEqual(data["text/plain"], "3")
+        self.assertNotIn("Fallback", log)
+        data, _ = result('String::from("x")')
+        self.assertEqual(data["text/plain"], '"x"')
+        # A bare variable not declared `mut` goes through evcxr's fallback: the same text.
+        k.run('let plain_word = String::from("y");')
+        data, _ = result("plain_word")
+        self.assertEqual(data["text/plain"], '"y"')
+        # Rich values keep their view, through references and boxes too.
+        k.run('let shown = vec![Trajectory::new([Message::user("hi")])];')
+        for code in ["shown[0].clone()", "shown.first().unwrap()", "Box::new(shown[0].clone())"]:
+            data, _ = result(code)
+            self.assertIn("text/html", data, code)
+
 
 def main():
     if not os.path.exists(KERNEL_BIN):

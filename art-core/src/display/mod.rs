@@ -95,7 +95,27 @@ pub trait Render {
     fn render(&self) -> MimeBundle;
 }
 
+// References and boxes show what they point to: a result like `groups.first().unwrap()` must find
+// `RichDisplay` before `DebugDisplay`, which method lookup would reach first on the reference.
 impl<T: Render + ?Sized> Render for &T {
+    fn render(&self) -> MimeBundle {
+        (**self).render()
+    }
+}
+
+impl<T: Render + ?Sized> Render for &mut T {
+    fn render(&self) -> MimeBundle {
+        (**self).render()
+    }
+}
+
+impl<T: Render + ?Sized> Render for Box<T> {
+    fn render(&self) -> MimeBundle {
+        (**self).render()
+    }
+}
+
+impl<T: Render + ?Sized> Render for std::sync::Arc<T> {
     fn render(&self) -> MimeBundle {
         (**self).render()
     }
@@ -295,6 +315,23 @@ pub trait RichDisplay {
 impl<T: Render + ?Sized> RichDisplay for T {
     fn evcxr_display(&self) {
         evcxr_display(&self.render());
+    }
+}
+
+/// The plain `Debug` text of any other cell result, as evcxr's own fallback prints it (`{:?}`).
+/// Without it evcxr compiles such a cell twice: first with `.evcxr_display()`, which fails, then
+/// with its fallback (~0.6 s more for `1 + 1`). The `&mut self` receiver is what keeps
+/// [`RichDisplay`] first: method lookup tries `&value` before `&mut value`. A bare variable not
+/// declared `mut` cannot be borrowed mutably, so that one still goes through evcxr's fallback,
+/// which prints the same text.
+pub trait DebugDisplay {
+    /// Shows the value's `Debug` text as the result of a notebook cell.
+    fn evcxr_display(&mut self);
+}
+
+impl<T: std::fmt::Debug + ?Sized> DebugDisplay for T {
+    fn evcxr_display(&mut self) {
+        evcxr_display(&MimeBundle::new().with("text/plain", format!("{self:?}")));
     }
 }
 
