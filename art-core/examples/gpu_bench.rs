@@ -24,8 +24,8 @@ use std::time::Instant;
 
 use art_core::engine::random::RandomModelSpec;
 use art_core::engine::{
-    DType, Device, Engine, Forward, GenerationRequest, LoraAdapter, PeakMemory, SamplingParams,
-    Tensor,
+    check_device_sampling, set_device_sampling, DType, Device, Engine, Forward, GenerationRequest,
+    LoraAdapter, PeakMemory, SamplingParams, Tensor,
 };
 use art_core::train::{
     micro_batch_loss, AdamW, AdamWParams, Normalization, SequenceSource, TrainSequence,
@@ -452,6 +452,49 @@ fn parity(device: &Device) {
                 failures += 1;
                 println!("PARITY {name} greedy decode f32: FAIL");
             }
+            // Seeded sampling with the draws made on the GPU (the sampling kernel) against the
+            // same draws made on the host, from the same GPU logits: the same tokens.
+            let sampled = |e: &Engine| {
+                let reqs = (0..4)
+                    .map(|i| GenerationRequest {
+                        prompt: prompt[..20 - 2 * i].to_vec(),
+                        params: SamplingParams {
+                            temperature: [1.0, 0.7, 1.3, 0.0][i],
+                            seed: Some(i as u64),
+                            max_tokens: 32,
+                            ignore_eos: true,
+                            ..Default::default()
+                        },
+                        adapter: None,
+                    })
+                    .collect();
+                e.generate(reqs).unwrap()
+            };
+            set_device_sampling(false);
+            let on_host = sampled(&gpu);
+            set_device_sampling(true);
+            let on_device = sampled(&gpu);
+            let (mut same, mut total, mut worst) = (0, 0, 0f64);
+            for (a, b) in on_device.iter().zip(&on_host) {
+                let (a, b) = (&a.completions[0], &b.completions[0]);
+                for (x, y) in a.tokens.iter().zip(&b.tokens) {
+                    total += 1;
+                    if x.id == y.id {
+                        same += 1;
+                        worst = worst.max((x.logprob - y.logprob).abs() as f64);
+                    } else {
+                        break;
+                    }
+                }
+            }
+            println!(
+                "PARITY {name} seeded sampling {dtype:?}, draws on the GPU vs on the host: \
+                 {same}/{total} tokens equal before the first difference; max logprob diff {worst:.2e}"
+            );
+            if dtype == DType::F32 && same != total {
+                failures += 1;
+                println!("PARITY {name} seeded sampling f32: FAIL");
+            }
             // Cached decode logits against the full forward, on the GPU itself.
             let model = gpu.model();
             let mut caches: Vec<_> = (0..2).map(|_| model.new_cache()).collect();
@@ -477,6 +520,22 @@ fn parity(device: &Device) {
                 if dtype == DType::F32 { 1e-4 } else { 5e-2 },
                 &mut failures,
             );
+        }
+    }
+
+    // The sampling kernel on its own, against its host reference: 64 rows of Qwen2.5's
+    // vocabulary, spread (std 3) and peaked (std 12) logits.
+    let noise = Tensor::randn(0f32, 1.0, (64, 151_936), device).unwrap();
+    for std in [3.0, 12.0] {
+        let logits = (&noise * std).unwrap();
+        let (same, rows, sum_rel, lp) = check_device_sampling(&logits, 11).unwrap();
+        println!(
+            "PARITY sampling kernel, 64 x 151936 logits (std {std}): {same}/{rows} rows with the \
+             host's token, weight sums within {sum_rel:.1e} (relative), logprobs within {lp:.1e} {}",
+            if same == rows { "ok" } else { "FAIL" }
+        );
+        if same != rows {
+            failures += 1;
         }
     }
 

@@ -138,6 +138,86 @@ impl Sampler {
         &self.params
     }
 
+    /// Prepares this step's draw for the device (`cuda_sample`), which then does what
+    /// [`Sampler::sample`] would do on the host, with the same random number: `None` when the
+    /// parameters need the host (top-k, top-p, top log-probabilities). Consumes the random
+    /// number `sample` would (none for greedy), so a seeded stream goes on as on the host.
+    pub(crate) fn device_draw(&mut self) -> Option<DeviceDraw> {
+        let p = &self.params;
+        if p.top_k != 0 || p.top_p < 1.0 || p.top_logprobs > 0 {
+            return None;
+        }
+        let greedy = p.temperature == 0.0;
+        Some(DeviceDraw {
+            greedy,
+            inv_t: if greedy {
+                1.0
+            } else {
+                (1.0 / p.temperature) as f32
+            },
+            u: if greedy {
+                0.0
+            } else {
+                self.rng.random::<f64>()
+            },
+        })
+    }
+}
+
+/// One row's draw as the device makes it ([`Sampler::device_draw`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct DeviceDraw {
+    /// Argmax instead of a draw.
+    pub greedy: bool,
+    /// 1 / temperature (1 for greedy).
+    pub inv_t: f32,
+    /// The uniform number in [0, 1) of the draw (0 for greedy).
+    pub u: f64,
+}
+
+/// What the device reports for one row: the token, the row's largest logit, the sum of
+/// `exp((l - max) * inv_t)` over the row, and the token's logit.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct DeviceResult {
+    pub id: u32,
+    pub max: f32,
+    pub sum: f64,
+    pub logit: f32,
+}
+
+impl DeviceDraw {
+    /// The row's draw on the host: what the device computes, by [`Sampler::sample`]'s arithmetic.
+    pub(crate) fn reference(&self, logits: &[f32]) -> DeviceResult {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = logits
+            .iter()
+            .map(|&l| (((l - max) * self.inv_t) as f64).exp())
+            .sum();
+        let id = if self.greedy {
+            argmax(logits)
+        } else {
+            inverse_cdf(logits, max, self.inv_t, self.u)
+        };
+        DeviceResult {
+            id: id as u32,
+            max,
+            sum,
+            logit: logits[id],
+        }
+    }
+
+    /// The sampled token, its log-probability computed as [`Sampler::sample`] does.
+    pub(crate) fn token(&self, r: DeviceResult) -> SampledToken {
+        let log_z = r.sum.ln() as f32;
+        SampledToken {
+            id: r.id,
+            logprob: (r.logit - r.max) * self.inv_t - log_z,
+            top_logprobs: Vec::new(),
+        }
+    }
+}
+
+impl Sampler {
     /// Picks the next token from one row of logits.
     pub fn sample(&mut self, logits: &[f32]) -> SampledToken {
         let greedy = self.params.temperature == 0.0;
@@ -182,15 +262,8 @@ impl Sampler {
         let (k, p) = (self.params.top_k, self.params.top_p);
         let weight = |l: f32| (((l - max) * inv_t) as f64).exp();
         if k == 0 && p >= 1.0 {
-            let total: f64 = logits.iter().map(|&l| weight(l)).sum();
-            let mut u = self.rng.random::<f64>() * total;
-            for (i, &l) in logits.iter().enumerate() {
-                u -= weight(l);
-                if u <= 0.0 {
-                    return i;
-                }
-            }
-            return argmax(logits);
+            let u = self.rng.random::<f64>();
+            return inverse_cdf(logits, max, inv_t, u);
         }
         // Candidates in descending order. Top-p usually needs only a few hundred of them:
         // try a bounded prefix first, and sort everything only when that does not reach p.
@@ -229,6 +302,23 @@ impl Sampler {
         }
         kept[0].0
     }
+}
+
+/// A draw from softmax(logits / T) (`inv_t` = 1 / T, `max` the largest logit) for a uniform
+/// `u` in [0, 1): the first token at which the running sum of the weights
+/// `exp((l - max) / T)` reaches `u` times their total. What [`Sampler::sample`] does without
+/// top-k or top-p, and what the CUDA sampling kernel computes (`cuda_sample`).
+pub(crate) fn inverse_cdf(logits: &[f32], max: f32, inv_t: f32, u: f64) -> usize {
+    let weight = |l: f32| (((l - max) * inv_t) as f64).exp();
+    let total: f64 = logits.iter().map(|&l| weight(l)).sum();
+    let mut u = u * total;
+    for (i, &l) in logits.iter().enumerate() {
+        u -= weight(l);
+        if u <= 0.0 {
+            return i;
+        }
+    }
+    argmax(logits)
 }
 
 /// Index of the largest value (the lowest index among ties).

@@ -9,15 +9,17 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 
 use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::constraint::{CompiledConstraint, Guide};
+use super::cuda_sample;
 use super::error::{EngineError, Result};
 use super::lora::LoraAdapter;
 use super::model::{Forward, KvCache};
-use super::sampler::{SampledToken, Sampler, SamplingParams};
+use super::sampler::{DeviceDraw, SampledToken, Sampler, SamplingParams};
 use super::Engine;
 
 /// One generation request: a tokenized prompt and how to continue it.
@@ -121,6 +123,81 @@ pub struct Scheduler<'e> {
     next_id: RequestId,
     /// Upper bound on prompt tokens prefilled in one step (at least one request always is).
     pub max_prefill_tokens_per_step: usize,
+    /// Where decode steps spend their time (`ART_PROFILE_DECODE=1`), printed when dropped.
+    profile: Option<Box<DecodeProfile>>,
+}
+
+/// Time per phase of the decode steps, summed over a scheduler's life (`ART_PROFILE_DECODE=1`).
+/// The forward is timed to a device synchronisation, which the profile adds.
+struct DecodeProfile {
+    mark: Instant,
+    /// Decode forwards (one per adapter group and step) and the rows they carried.
+    forwards: usize,
+    rows: usize,
+    /// Seconds: building the batch and the forward, to the device's synchronisation.
+    forward: f64,
+    /// Device sampling and copying logits (or results) to the host.
+    to_host: f64,
+    /// Sampling on the host.
+    sample: f64,
+    /// Recording tokens, stop checks.
+    accept: f64,
+    /// Prefilling and retiring sequences.
+    prefill: f64,
+    retire: f64,
+}
+
+impl DecodeProfile {
+    fn from_env() -> Option<Box<Self>> {
+        std::env::var("ART_PROFILE_DECODE")
+            .is_ok_and(|v| v == "1")
+            .then(|| {
+                Box::new(DecodeProfile {
+                    mark: Instant::now(),
+                    forwards: 0,
+                    rows: 0,
+                    forward: 0.0,
+                    to_host: 0.0,
+                    sample: 0.0,
+                    accept: 0.0,
+                    prefill: 0.0,
+                    retire: 0.0,
+                })
+            })
+    }
+
+    /// Seconds since the last lap.
+    fn lap(&mut self) -> f64 {
+        let now = Instant::now();
+        let dt = (now - self.mark).as_secs_f64();
+        self.mark = now;
+        dt
+    }
+}
+
+impl Drop for Scheduler<'_> {
+    fn drop(&mut self) {
+        let Some(p) = &self.profile else { return };
+        if p.forwards == 0 {
+            return;
+        }
+        let n = p.forwards as f64;
+        let ms = |s: f64| s * 1e3 / n;
+        eprintln!(
+            "PROFILE decode: {} forwards, {:.1} rows each; ms per forward: forward {:.2}, \
+             device sampling + copy to host {:.2}, host sampling {:.2}, bookkeeping {:.2} \
+             (total {:.2}); prefill {:.2} s, retire {:.2} ms per step",
+            p.forwards,
+            p.rows as f64 / n,
+            ms(p.forward),
+            ms(p.to_host),
+            ms(p.sample),
+            ms(p.accept),
+            ms(p.forward + p.to_host + p.sample + p.accept),
+            p.prefill,
+            ms(p.retire),
+        );
+    }
 }
 
 impl<'e> Scheduler<'e> {
@@ -133,6 +210,7 @@ impl<'e> Scheduler<'e> {
             finished: Vec::new(),
             next_id: 0,
             max_prefill_tokens_per_step: 4096,
+            profile: DecodeProfile::from_env(),
         }
     }
 
@@ -228,9 +306,21 @@ impl<'e> Scheduler<'e> {
         let mut events = Vec::new();
         // Decode the sequences that were already running before this step's prefills.
         let decode_count = self.running.len();
+        if let Some(p) = &mut self.profile {
+            p.lap();
+        }
         self.decode(decode_count, &mut events)?;
+        if let Some(p) = &mut self.profile {
+            p.lap();
+        }
         self.prefill(&mut events)?;
+        if let Some(p) = &mut self.profile {
+            p.prefill += p.lap();
+        }
         self.retire();
+        if let Some(p) = &mut self.profile {
+            p.retire += p.lap();
+        }
         Ok(events)
     }
 
@@ -335,6 +425,9 @@ impl<'e> Scheduler<'e> {
         }
         let model = self.engine.model();
         for (_, members) in groups {
+            if let Some(p) = &mut self.profile {
+                p.forwards += 1;
+            }
             let adapter = self.running[members[0]].adapter.clone();
             let inputs: Vec<u32> = members
                 .iter()
@@ -360,14 +453,60 @@ impl<'e> Scheduler<'e> {
                 };
                 model.forward_cached(&input, &mut caches, fwd, true)?
             };
-            let mut rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
+            if let Some(p) = &mut self.profile {
+                model.device().synchronize()?;
+                p.forward += p.lap();
+                p.rows += members.len();
+            }
+            let logits = logits.squeeze(1)?;
+            let mut drawn: Vec<Option<SampledToken>> = vec![None; members.len()];
+            // On the GPU, rows with neither a constraint nor truncation are sampled where their
+            // logits are (`cuda_sample`): a few numbers per row come back, not the vocabulary.
+            if model.device().is_cuda() && cuda_sample::enabled() {
+                let draws: Vec<Option<DeviceDraw>> = members
+                    .iter()
+                    .map(|&i| {
+                        let seq = &mut self.running[i];
+                        match seq.guide {
+                            None => seq.sampler.device_draw(),
+                            Some(_) => None,
+                        }
+                    })
+                    .collect();
+                if draws.iter().any(Option::is_some) {
+                    let results = cuda_sample::sample(&logits, &draws)?;
+                    for ((slot, draw), result) in drawn.iter_mut().zip(&draws).zip(results) {
+                        if let (Some(draw), Some(result)) = (draw, result) {
+                            *slot = Some(draw.token(result));
+                        }
+                    }
+                }
+            }
+            // The other rows are sampled on the host: copy just those.
+            let host: Vec<usize> = (0..members.len()).filter(|&r| drawn[r].is_none()).collect();
+            let mut rows: Vec<Vec<f32>> = if host.is_empty() {
+                Vec::new()
+            } else if host.len() == members.len() {
+                logits.to_vec2()?
+            } else {
+                let picked: Vec<u32> = host.iter().map(|&r| r as u32).collect();
+                let picked = Tensor::new(picked.as_slice(), model.device())?;
+                logits.index_select(&picked, 0)?.to_vec2()?
+            };
+            if let Some(p) = &mut self.profile {
+                p.to_host += p.lap();
+            }
             // Sampling reads a whole vocabulary row a few times per sequence: for a large batch
             // and vocabulary that is milliseconds per row, so on the GPU (the host is otherwise
-            // idle while it waits) unconstrained rows are sampled in parallel; each sequence has
+            // idle while it waits) the unconstrained rows left to the host (top-k, top-p, top
+            // log-probabilities, or `ART_GPU_SAMPLE=0`) are sampled in parallel; each sequence has
             // its own random stream, so the results do not change. Not on the CPU: its cores are
             // the model's; with rayon's pool there the 256-request load test (tests/server.rs)
             // took 20.9 s instead of 4.6 s on 2 cores.
-            let mut drawn: Vec<Option<SampledToken>> = vec![None; members.len()];
+            let mut host_row = vec![None; members.len()];
+            for (j, &r) in host.iter().enumerate() {
+                host_row[r] = Some(j);
+            }
             {
                 let mut is_member = vec![None; self.running.len()];
                 for (r, &i) in members.iter().enumerate() {
@@ -377,9 +516,10 @@ impl<'e> Scheduler<'e> {
                 let mut slots: Vec<Option<&mut Option<SampledToken>>> =
                     drawn.iter_mut().map(Some).collect();
                 for (seq, r) in self.running.iter_mut().zip(&is_member) {
-                    if let (Some(r), None) = (r, &seq.guide) {
-                        let slot = slots[*r].take().expect("one slot per row");
-                        jobs.push((&mut seq.sampler, rows[*r].as_slice(), slot));
+                    let Some(r) = *r else { continue };
+                    if let (Some(j), None) = (host_row[r], &seq.guide) {
+                        let slot = slots[r].take().expect("one slot per row");
+                        jobs.push((&mut seq.sampler, rows[j].as_slice(), slot));
                     }
                 }
                 if jobs.len() > 1 && model.device().is_cuda() {
@@ -391,15 +531,23 @@ impl<'e> Scheduler<'e> {
                     }
                 }
             }
-            for ((&i, row), token) in members.iter().zip(rows.iter_mut()).zip(drawn) {
+            if let Some(p) = &mut self.profile {
+                p.sample += p.lap();
+            }
+            for ((&i, token), j) in members.iter().zip(drawn).zip(host_row) {
                 match token {
                     Some(token) => self
                         .engine
                         .accept_sampled(&mut self.running[i], token, events),
-                    None => self
-                        .engine
-                        .sample_and_accept(&mut self.running[i], row, events),
+                    None => {
+                        let row = &mut rows[j.expect("a host row for every row not drawn")];
+                        self.engine
+                            .sample_and_accept(&mut self.running[i], row, events)
+                    }
                 }
+            }
+            if let Some(p) = &mut self.profile {
+                p.accept += p.lap();
             }
         }
         Ok(())

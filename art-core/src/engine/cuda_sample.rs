@@ -1,0 +1,401 @@
+//! Sampling on the GPU: one kernel draws every row's token of a decode step where the logits
+//! already are, so a step copies a few numbers per row to the host instead of the whole
+//! vocabulary (at batch 64 and Qwen2.5's 152k tokens, 39 MB of f32 per step, then a few passes
+//! of `exp` over every row on the host).
+//!
+//! The kernel does what [`super::sampler::Sampler::sample`] does for plain temperature sampling
+//! or greedy decoding, with the random number the host sampler would have used
+//! ([`super::sampler::Sampler::device_draw`]): the row's max, the sum of
+//! `exp((l - max) / T)` in f64, and the first token at which the running sum of those weights
+//! reaches `u` times the total (inverse CDF) or the argmax (lowest index among ties). A seeded
+//! request therefore draws the same tokens as on the host, up to the order in which the f64 sums
+//! are added (a token differs only where `u` falls within rounding of a boundary between two
+//! tokens). Top-k, top-p, top log-probabilities and constraints stay on the host.
+//! `ART_GPU_SAMPLE=0` turns it off.
+
+use candle_core::{DType, Tensor};
+
+use super::error::Result;
+use super::sampler::{DeviceDraw, DeviceResult};
+
+/// 0: not read from the environment yet, 1: off, 2: on.
+static STATE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether decode steps sample on the GPU (`ART_GPU_SAMPLE=0` turns it off).
+pub(crate) fn enabled() -> bool {
+    use std::sync::atomic::Ordering;
+    match STATE.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("ART_GPU_SAMPLE").map_or(true, |v| v != "0");
+            STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+        s => s == 2,
+    }
+}
+
+/// Turns sampling on the GPU on (the default) or off (every row is copied to the host and
+/// sampled there, as on the CPU). For benchmarks and checks that compare the two in one
+/// process; `ART_GPU_SAMPLE=0` sets the default.
+pub fn set_device_sampling(on: bool) {
+    STATE.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Checks the sampling kernel against its host reference ([`DeviceDraw::reference`]) on
+/// `logits` (`[B, vocab]`, on the device to check): row `b` is drawn at temperature
+/// `[1, 0.7, greedy][b % 3]` with a uniform number from `seed`. Returns the rows whose tokens
+/// agree, the rows, the largest relative difference of the weight sums and the largest
+/// difference of the log-probabilities.
+#[doc(hidden)]
+pub fn check_device_sampling(logits: &Tensor, seed: u64) -> Result<(usize, usize, f64, f64)> {
+    use rand::{Rng, SeedableRng};
+    let (b, v) = logits.dims2()?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let draws: Vec<Option<DeviceDraw>> = (0..b)
+        .map(|row| {
+            let greedy = row % 3 == 2;
+            Some(DeviceDraw {
+                greedy,
+                inv_t: [1.0, 1.0 / 0.7, 1.0][row % 3],
+                u: if greedy { 0.0 } else { rng.random::<f64>() },
+            })
+        })
+        .collect();
+    let got = sample(logits, &draws)?;
+    let host: Vec<f32> = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let (mut same, mut sum_rel, mut lp_diff) = (0, 0f64, 0f64);
+    for row in 0..b {
+        let draw = draws[row].expect("a draw per row");
+        let want = draw.reference(&host[row * v..(row + 1) * v]);
+        let got = got[row].expect("a result per row");
+        if got.id == want.id && got.max == want.max && got.logit == want.logit {
+            same += 1;
+        }
+        sum_rel = sum_rel.max((got.sum - want.sum).abs() / want.sum);
+        let lp = |r| draw.token(r).logprob as f64;
+        lp_diff = lp_diff.max((lp(got) - lp(want)).abs());
+    }
+    Ok((same, b, sum_rel, lp_diff))
+}
+
+/// Draws a token for every row `b` of `logits` (`[B, vocab]`, f32) that has `draws[b]`, on the
+/// logits' device (the CPU runs the host reference, for tests). Rows without a draw get `None`.
+pub(crate) fn sample(
+    logits: &Tensor,
+    draws: &[Option<DeviceDraw>],
+) -> Result<Vec<Option<DeviceResult>>> {
+    let (b, _) = logits.dims2()?;
+    if draws.len() != b {
+        return Err(candle_core::Error::Msg(format!(
+            "device sampling: {b} rows of logits but {} draws",
+            draws.len()
+        ))
+        .into());
+    }
+    // Per row: u, 1 / T, greedy (rows without a draw run greedy and are ignored).
+    let mut params = Vec::with_capacity(3 * b);
+    for d in draws {
+        let d = d.unwrap_or(DeviceDraw {
+            greedy: true,
+            inv_t: 1.0,
+            u: 0.0,
+        });
+        params.extend([d.u, d.inv_t as f64, if d.greedy { 1.0 } else { 0.0 }]);
+    }
+    let params = Tensor::from_vec(params, (b, 3), logits.device())?;
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let out: Vec<f64> = logits
+        .apply_op2_no_bwd(&params, &SampleOp)?
+        .flatten_all()?
+        .to_vec1()?;
+    Ok(draws
+        .iter()
+        .zip(out.chunks_exact(4))
+        .map(|(d, r)| {
+            d.as_ref().map(|_| DeviceResult {
+                id: r[0] as u32,
+                max: r[1] as f32,
+                sum: r[2],
+                logit: r[3] as f32,
+            })
+        })
+        .collect())
+}
+
+/// `(logits [B, V] f32, params [B, 3] f64) -> [B, 4] f64`: id, max, sum of weights, logit at id.
+struct SampleOp;
+
+impl candle_core::CustomOp2 for SampleOp {
+    fn name(&self) -> &'static str {
+        "art-sample"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::CpuStorage as C;
+        let (C::F32(logits), C::F64(params)) = (s1, s2) else {
+            candle_core::bail!("art-sample: f32 logits and f64 parameters")
+        };
+        let (Some((a, _)), Some((p, _))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("art-sample: inputs must be contiguous")
+        };
+        let (b, v) = l1.shape().dims2()?;
+        let mut out = Vec::with_capacity(4 * b);
+        for row in 0..b {
+            let x = &logits[a + row * v..a + (row + 1) * v];
+            let q = &params[p + 3 * row..p + 3 * row + 3];
+            let draw = DeviceDraw {
+                u: q[0],
+                inv_t: q[1] as f32,
+                greedy: q[2] != 0.0,
+            };
+            let r = draw.reference(x);
+            out.extend([r.id as f64, r.max as f64, r.sum, r.logit as f64]);
+        }
+        Ok((C::F64(out), candle_core::Shape::from((b, 4))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+        use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
+
+        let (S::F32(logits), S::F64(params)) = (&s1.slice, &s2.slice) else {
+            candle_core::bail!("art-sample: f32 logits and f64 parameters")
+        };
+        let (Some((a0, a1)), Some((p0, p1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("art-sample: inputs must be contiguous")
+        };
+        let (b, v) = l1.shape().dims2()?;
+        let (logits, params) = (logits.slice(a0..a1), params.slice(p0..p1));
+        let dev = s1.device.clone();
+        let func = dev.get_or_load_custom_func("art_sample_f32", MODULE, ptx()?)?;
+        let out = unsafe { dev.alloc::<f64>(4 * b)? };
+        let mut builder = func.builder();
+        builder.arg(&logits);
+        builder.arg(&params);
+        builder.arg(&out);
+        let v = v as i32;
+        candle_core::builder_arg!(builder, v);
+        let cfg = LaunchConfig {
+            grid_dim: (b as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `logits` holds B rows of V floats, `params` B x 3 and `out` B x 4 doubles.
+        unsafe { builder.launch(cfg) }.w()?;
+        Ok((
+            candle_core::CudaStorage {
+                slice: S::F64(out),
+                device: dev,
+            },
+            candle_core::Shape::from((b, 4)),
+        ))
+    }
+}
+
+#[cfg(feature = "cuda")]
+const MODULE: &str = "art_sample";
+#[cfg(feature = "cuda")]
+const THREADS: u32 = 1024;
+
+/// One block of 1024 threads per row. Pass 1: max and argmax over the row. Pass 2: each of the
+/// 32 warps sums the f64 weights of its own contiguous segment (lanes read it coalesced); the
+/// segment sums, added in order, are the total. Pass 3: the warp whose segment holds the target
+/// `u * total` walks it 32 tokens at a time with a prefix sum until the running sum reaches it.
+#[cfg(feature = "cuda")]
+const SOURCE: &str = r#"
+#define FULL 0xffffffffu
+extern "C" __global__ void art_sample_f32(const float* logits, const double* params,
+                                          double* out, int V) {
+  __shared__ float smax[32];
+  __shared__ int sidx[32];
+  __shared__ double ssum[32];
+  __shared__ int chosen;
+  const int b = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
+  const int lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+  const float* x = logits + (unsigned long long)b * V;
+  const double u = params[3 * b];
+  const float inv_t = (float)params[3 * b + 1];
+  const bool greedy = params[3 * b + 2] != 0.0;
+
+  // 1. max and argmax (lowest index among ties; NaN never wins, as on the host).
+  float m = __int_as_float(0xff800000);
+  int mi = 0x7fffffff;
+#pragma unroll 8
+  for (int i = tid; i < V; i += nt) {
+    float v = x[i];
+    if (v > m) { m = v; mi = i; }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    float om = __shfl_xor_sync(FULL, m, o);
+    int oi = __shfl_xor_sync(FULL, mi, o);
+    if (om > m || (om == m && oi < mi)) { m = om; mi = oi; }
+  }
+  if (lane == 0) { smax[warp] = m; sidx[warp] = mi; }
+  __syncthreads();
+  m = smax[0]; mi = sidx[0];
+  for (int w = 1; w < nw; ++w) {
+    if (smax[w] > m || (smax[w] == m && sidx[w] < mi)) { m = smax[w]; mi = sidx[w]; }
+  }
+  if (mi == 0x7fffffff) mi = 0;
+
+  // 2. f64 weight sums of each warp's contiguous segment.
+  const int seg = (V + nw - 1) / nw;
+  const int s0 = min(V, warp * seg), s1 = min(V, s0 + seg);
+  double acc = 0.0;
+#pragma unroll 4
+  for (int i = s0 + lane; i < s1; i += 32) acc += exp((double)((x[i] - m) * inv_t));
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL, acc, o);
+  if (lane == 0) ssum[warp] = acc;
+  if (tid == 0) chosen = mi;
+  __syncthreads();
+  double total = 0.0;
+  for (int w = 0; w < nw; ++w) total += ssum[w];
+
+  // 3. inverse CDF: the first token whose running weight sum reaches u * total.
+  if (!greedy && total > 0.0 && total <= 1.7976931348623157e308) {
+    const double target = u * total;
+    double before = 0.0;
+    int w = 0;
+    for (; w < nw - 1; ++w) {
+      if (before + ssum[w] >= target) break;
+      before += ssum[w];
+    }
+    if (warp == w) {
+      double run = before;
+      int last = -1;
+      int found = -1;
+      for (int base = s0; base < s1; base += 32) {
+        int i = base + lane;
+        double wt = i < s1 ? exp((double)((x[i] - m) * inv_t)) : 0.0;
+        double s = wt;
+        for (int o = 1; o < 32; o <<= 1) {
+          double t = __shfl_up_sync(FULL, s, o);
+          if (lane >= o) s += t;
+        }
+        unsigned hit = __ballot_sync(FULL, i < s1 && run + s >= target);
+        unsigned pos = __ballot_sync(FULL, wt > 0.0);
+        if (hit) { found = base + __ffs(hit) - 1; break; }
+        if (pos) last = base + 31 - __clz(pos);
+        run += __shfl_sync(FULL, s, 31);
+      }
+      // Rounding can leave the target just past this segment's last weight: take that token.
+      if (lane == 0) chosen = found >= 0 ? found : (last >= 0 ? last : mi);
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    out[4 * b] = (double)chosen;
+    out[4 * b + 1] = (double)m;
+    out[4 * b + 2] = total;
+    out[4 * b + 3] = (double)x[chosen];
+  }
+}
+"#;
+
+/// The kernel's PTX, compiled once per process.
+#[cfg(feature = "cuda")]
+fn ptx() -> candle_core::Result<&'static str> {
+    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+    static PTX: std::sync::OnceLock<std::result::Result<String, String>> =
+        std::sync::OnceLock::new();
+    PTX.get_or_init(|| {
+        let opts = CompileOptions {
+            arch: Some("compute_90"),
+            ..Default::default()
+        };
+        compile_ptx_with_opts(SOURCE, opts)
+            .map(|p| p.to_src())
+            .map_err(|e| format!("NVRTC could not compile the sampling kernel: {e}"))
+    })
+    .as_deref()
+    .map_err(|e| candle_core::Error::Msg(e.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::sampler::{Sampler, SamplingParams};
+    use candle_core::Device;
+
+    /// Rows of different shapes: spread, peaked, with masked (-inf) tokens.
+    fn rows(b: usize, v: usize) -> Vec<f32> {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let mut x = Vec::with_capacity(b * v);
+        for row in 0..b {
+            for i in 0..v {
+                let l = match row % 3 {
+                    0 => (next() * 8.0 - 4.0) as f32,
+                    1 if i == 17 => 12.0,
+                    1 => (next() * 2.0) as f32,
+                    _ if i % 5 == 0 => f32::NEG_INFINITY,
+                    _ => (next() * 4.0) as f32,
+                };
+                x.push(l);
+            }
+        }
+        x
+    }
+
+    /// Device draws (the op's host reference here) give the very tokens and log-probabilities
+    /// that `Sampler::sample` gives with the same seeds, step after step.
+    #[test]
+    fn device_draws_match_the_host_sampler() {
+        let (b, v) = (6, 1000);
+        let params = |i: usize| SamplingParams {
+            temperature: [1.0, 0.7, 0.0][i % 3],
+            seed: Some(i as u64),
+            ..Default::default()
+        };
+        let mut host: Vec<Sampler> = (0..b).map(|i| Sampler::new(params(i), 0)).collect();
+        let mut device: Vec<Sampler> = (0..b).map(|i| Sampler::new(params(i), 0)).collect();
+        for step in 0..5 {
+            let x = rows(b + step, v)[step * v..].to_vec();
+            let logits = Tensor::from_vec(x.clone(), (b, v), &Device::Cpu).unwrap();
+            let draws: Vec<_> = device.iter_mut().map(|s| s.device_draw()).collect();
+            let out = sample(&logits, &draws).unwrap();
+            for r in 0..b {
+                let want = host[r].sample(&x[r * v..(r + 1) * v]);
+                let got = draws[r].unwrap().token(out[r].unwrap());
+                assert_eq!(got, want, "step {step} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn rows_without_a_draw_are_skipped_and_truncation_stays_on_the_host() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                top_p: 0.9,
+                ..Default::default()
+            },
+            0,
+        );
+        assert!(s.device_draw().is_none());
+        let logits = Tensor::from_vec(rows(2, 50), (2, 50), &Device::Cpu).unwrap();
+        let draw = Sampler::new(SamplingParams::greedy(1), 0).device_draw();
+        let out = sample(&logits, &[None, draw]).unwrap();
+        assert!(out[0].is_none());
+        assert_eq!(out[1].unwrap().id, 17);
+    }
+}
