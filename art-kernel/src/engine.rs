@@ -89,7 +89,10 @@ impl Engine for EvcxrEngine {
         self.control.interrupted.store(false, Ordering::SeqCst);
         self.question_mark_failed.store(false, Ordering::SeqCst);
         self.control.executing.store(true, Ordering::SeqCst);
-        let result = self.context.execute(code);
+        let by_reference = bare_variable_by_reference(code);
+        let result = self
+            .context
+            .execute(by_reference.as_deref().unwrap_or(code));
         self.control.executing.store(false, Ordering::SeqCst);
         self.pump.flush();
         let interrupted = self.control.interrupted.swap(false, Ordering::SeqCst);
@@ -446,9 +449,78 @@ impl Batch {
     }
 }
 
+/// A cell that ends with a bare variable (`let x = f(); x`) shows `&x` instead. A result without
+/// a rich view is printed by art-core's `DebugDisplay`, whose `&mut self` receiver keeps
+/// `RichDisplay` first; a variable not declared `mut` cannot be borrowed that way, and when the
+/// cell also defines it, evcxr reports the borrow error instead of falling back to `Debug`. A
+/// reference shows the same (`Render` and `Debug` both see through it) and is a temporary, which
+/// can be borrowed mutably. Only the last line is looked at, and only after a `;` or a `}`.
+fn bare_variable_by_reference(code: &str) -> Option<String> {
+    const KEYWORDS: &[&str] = &[
+        "as", "async", "await", "break", "const", "continue", "crate", "dyn", "else", "enum",
+        "extern", "false", "fn", "for", "gen", "if", "impl", "in", "let", "loop", "match", "mod",
+        "move", "mut", "pub", "ref", "return", "self", "Self", "static", "struct", "super",
+        "trait", "true", "try", "type", "unsafe", "use", "where", "while", "yield",
+    ];
+    fn significant(line: &str) -> Option<&str> {
+        let line = line.split("//").next().unwrap_or("").trim_end();
+        (!line.trim().is_empty()).then_some(line)
+    }
+    let lines: Vec<&str> = code.lines().collect();
+    let last = lines.iter().rposition(|line| significant(line).is_some())?;
+    let name = significant(lines[last])?.trim();
+    let is_identifier = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_alphanumeric() || c == '_');
+    if !is_identifier || KEYWORDS.contains(&name) {
+        return None;
+    }
+    let before = lines[..last]
+        .iter()
+        .rev()
+        .find_map(|line| significant(line));
+    if before.is_some_and(|line| !line.ends_with([';', '}'])) {
+        return None;
+    }
+    let mut rewritten: Vec<String> = lines.iter().map(|line| line.to_string()).collect();
+    rewritten[last] = lines[last].replacen(name, &format!("&{name}"), 1);
+    Some(rewritten.join("\n"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bare_variable_at_the_end_is_shown_by_reference() {
+        let shown = |code: &str| bare_variable_by_reference(code);
+        assert_eq!(shown("x").as_deref(), Some("&x"));
+        assert_eq!(
+            shown("let x = 1;\n  x  \n\n").as_deref(),
+            Some("let x = 1;\n  &x  \n")
+        );
+        assert_eq!(
+            shown("let x = f(); // why\n// note\nx // shown").as_deref(),
+            Some("let x = f(); // why\n// note\n&x // shown")
+        );
+        assert_eq!(shown("if c { 1; }\nx").as_deref(), Some("if c { 1; }\n&x"));
+        // Anything else is left to evcxr.
+        for code in [
+            "x + 1",
+            "x.len()",
+            "let x = 1;",
+            "break",
+            "let y = 1 +\nx",
+            "f(\nx",
+            "Some(x)",
+            "let s = \"a\n\";",
+            "",
+        ] {
+            assert_eq!(shown(code), None, "{code:?}");
+        }
+    }
 
     #[test]
     fn pump_keeps_order_and_turns_display_lines_into_outputs() {

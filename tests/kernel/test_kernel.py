@@ -398,9 +398,10 @@ plots::reward_distribution_chart(&[group.clone()])
         k = kernel()
 
         def result(code):
-            reply, outputs = k.run(":timing\n" + code)
+            k.run(":timing")  # on: the cell's phases go to stderr
+            reply, outputs = k.run(code)
+            k.run(":timing")  # off
             self.assertEqual(reply["content"]["status"], "ok", outputs)
-            k.run(":timing")  # back off
             return of_type(outputs, "execute_result")[0]["content"]["data"], text_of(outputs)
 
         # An expression without a rich view: Debug text, compiled once (no "Fallback" phase).
@@ -409,10 +410,13 @@ plots::reward_distribution_chart(&[group.clone()])
         self.assertNotIn("Fallback", log)
         data, _ = result('String::from("x")')
         self.assertEqual(data["text/plain"], '"x"')
-        # A bare variable not declared `mut` goes through evcxr's fallback: the same text.
+        # A bare variable not declared `mut`, defined in an earlier cell or in the same one.
         k.run('let plain_word = String::from("y");')
         data, _ = result("plain_word")
         self.assertEqual(data["text/plain"], '"y"')
+        data, log = result('let same_cell = 7;\nsame_cell')
+        self.assertEqual(data["text/plain"], "7")
+        self.assertNotIn("Fallback", log)
         # Rich values keep their view, through references and boxes too.
         k.run('let shown = vec![Trajectory::new([Message::user("hi")])];')
         for code in ["shown[0].clone()", "shown.first().unwrap()", "Box::new(shown[0].clone())"]:
