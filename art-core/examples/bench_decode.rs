@@ -4,6 +4,12 @@
 //!
 //! For each batch size: prompts of ~128 tokens, 128 sampled tokens each (ignore_eos), prints
 //! prefill and decode tokens/s for the dense f32 weights (and the quantized ones with --quantized).
+//!
+//! `--llama-cpp DIR` (a llama.cpp build's `bin` directory) then runs llama.cpp on the same GGUF
+//! file in the same invocation, `llama-batched-bench` with the same prompt length, generated
+//! tokens and batch sizes (one sequence per batch slot), and prints our decode and prefill speed as
+//! ratios to it.
+use std::process::Command;
 use std::time::Instant;
 
 use art_core::engine::{Engine, GenerationRequest, LoadOptions, ModelSource, SamplingParams};
@@ -14,6 +20,7 @@ fn main() {
     let mut batches = vec![1usize, 8, 32];
     let mut quantized_too = false;
     let mut gen_tokens = 128usize;
+    let mut llama_cpp: Option<String> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -27,6 +34,7 @@ fn main() {
             }
             "--tokens" => gen_tokens = it.next().expect("--tokens N").parse().expect("N"),
             "--quantized" => quantized_too = true,
+            "--llama-cpp" => llama_cpp = Some(it.next().expect("--llama-cpp DIR").clone()),
             other => model = other.to_string(),
         }
     }
@@ -45,6 +53,7 @@ fn main() {
     if quantized_too {
         modes.push(true);
     }
+    let mut ours = Vec::new();
     for quantized in modes {
         engine.set_use_quantized(quantized);
         let label = if engine.use_quantized() {
@@ -89,11 +98,71 @@ fn main() {
             }
             let decode = t1.elapsed().as_secs_f64();
             let decoded = generated - batch;
+            let (prefill_rate, decode_rate) =
+                (prompt_tokens as f64 / prefill, decoded as f64 / decode);
             println!(
-                "{label:>9} batch {batch:>3}: prefill {prompt_tokens:>5} tok in {prefill:6.2}s = {:7.1} tok/s | decode {decoded:>5} tok in {decode:6.2}s = {:7.1} tok/s",
-                prompt_tokens as f64 / prefill,
-                decoded as f64 / decode,
+                "{label:>9} batch {batch:>3}: prefill {prompt_tokens:>5} tok in {prefill:6.2}s = {prefill_rate:7.1} tok/s | decode {decoded:>5} tok in {decode:6.2}s = {decode_rate:7.1} tok/s",
+            );
+            ours.push((label, batch, prefill_rate, decode_rate));
+        }
+    }
+    if let Some(dir) = llama_cpp {
+        let reference = llama_cpp_rates(&dir, &model, &batches, gen_tokens);
+        println!("\nratio to llama.cpp (same model file, prompt 128, {gen_tokens} generated tokens per sequence):");
+        for (label, batch, prefill, decode) in ours {
+            let Some((ref_prefill, ref_decode)) = reference.get(&batch) else {
+                continue;
+            };
+            println!(
+                "{label:>9} batch {batch:>3}: decode {decode:7.1} vs {ref_decode:7.1} tok/s = {:.2}x | prefill {prefill:7.1} vs {ref_prefill:7.1} tok/s = {:.2}x",
+                decode / ref_decode,
+                prefill / ref_prefill,
             );
         }
     }
+}
+
+/// llama.cpp's prefill and decode tokens/s per batch size, from `llama-batched-bench` (one
+/// sequence per batch slot, the KV cache not shared, as many threads as the machine has cores).
+fn llama_cpp_rates(
+    dir: &str,
+    model: &str,
+    batches: &[usize],
+    gen_tokens: usize,
+) -> std::collections::HashMap<usize, (f64, f64)> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let slots: Vec<String> = batches.iter().map(ToString::to_string).collect();
+    let largest = batches.iter().max().copied().unwrap_or(1);
+    let context = largest * (128 + gen_tokens) + 16;
+    let output = Command::new(format!("{dir}/llama-batched-bench"))
+        .args(["-m", model, "-npp", "128", "-ntg", &gen_tokens.to_string()])
+        .args([
+            "-npl",
+            &slots.join(","),
+            "-c",
+            &context.to_string(),
+            "-b",
+            "2048",
+        ])
+        .args(["-t", &threads.to_string(), "--output-format", "jsonl"])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {dir}/llama-batched-bench: {e}"));
+    assert!(
+        output.status.success(),
+        "llama-batched-bench failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // The JSON lines go to llama.cpp's log (stdout or stderr, depending on the build).
+    let log = [output.stdout, output.stderr].concat();
+    String::from_utf8_lossy(&log)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|row| {
+            let batch = row["pl"].as_u64()? as usize;
+            Some((
+                batch,
+                (row["speed_pp"].as_f64()?, row["speed_tg"].as_f64()?),
+            ))
+        })
+        .collect()
 }
