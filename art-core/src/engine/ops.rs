@@ -570,17 +570,20 @@ impl CustomOp2 for SoftmaxGrad {
 /// For logits `[N, V]` and one target per row: `[N, 2]` holding `log softmax(logits)[target]`
 /// and the entropy of `softmax(logits)`, both differentiable, without materializing the
 /// log-softmax: a forward pass reads each row twice, the backward writes the gradient once.
+#[cfg_attr(not(feature = "train"), allow(dead_code))] // only the trainer's loss uses it
 pub(crate) fn target_logprob_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     logits.contiguous()?.apply_op1(TargetLogprob {
         targets: Arc::new(targets.to_vec()),
     })
 }
 
+#[cfg_attr(not(feature = "train"), allow(dead_code))] // only the trainer's loss uses it
 struct TargetLogprob {
     targets: Arc<Vec<u32>>,
 }
 
 /// `(max, sum exp(x - max), sum exp(x - max) x)` of one row, using `buf` as scratch.
+#[cfg_attr(not(feature = "train"), allow(dead_code))] // only the trainer's loss uses it
 fn row_stats<T: Real>(x: &[T], buf: &mut Vec<T>) -> (T, T, T) {
     let m = max_of(x);
     buf.clear();
@@ -589,6 +592,7 @@ fn row_stats<T: Real>(x: &[T], buf: &mut Vec<T>) -> (T, T, T) {
     (m, sum_of(buf), dot(buf, x))
 }
 
+#[cfg_attr(not(feature = "train"), allow(dead_code))] // only the trainer's loss uses it
 impl TargetLogprob {
     fn run<T: Real>(&self, x: &[T], v: usize) -> Result<Vec<T>> {
         let n = self.targets.len();
@@ -646,10 +650,12 @@ impl CustomOp1 for TargetLogprob {
 
 /// With `p = softmax(x)`, `E = sum p x` and `lse` recovered from the forward's outputs:
 /// `d logprob / dx_j = [j = target] - p_j` and `d entropy / dx_j = -p_j (x_j - E)`.
+#[cfg_attr(not(feature = "train"), allow(dead_code))] // only the trainer's loss uses it
 struct TargetLogprobGrad {
     targets: Arc<Vec<u32>>,
 }
 
+#[cfg_attr(not(feature = "train"), allow(dead_code))] // only the trainer's loss uses it
 impl TargetLogprobGrad {
     fn run<T: Real>(&self, x: &[T], res: &[T], g: &[T], v: usize) -> Vec<T> {
         let mut out = vec![T::zero(); x.len()];
