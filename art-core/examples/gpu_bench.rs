@@ -24,8 +24,8 @@ use std::time::Instant;
 
 use art_core::engine::random::RandomModelSpec;
 use art_core::engine::{
-    check_device_sampling, set_device_sampling, DType, Device, Engine, Forward, GenerationRequest,
-    LoraAdapter, PeakMemory, SamplingParams, Tensor,
+    check_device_sampling, set_device_sampling, DType, Device, Engine, Forward, GenerationOutput,
+    GenerationRequest, LoraAdapter, PeakMemory, SamplingParams, Tensor,
 };
 use art_core::train::{
     micro_batch_loss, AdamW, AdamWParams, Normalization, SequenceSource, TrainSequence,
@@ -430,20 +430,7 @@ fn parity(device: &Device) {
             );
             // Greedy decoding through the KV caches (the batched decode kernels on CUDA), three
             // prompts of different lengths at once: tokens compared up to the first difference.
-            let out = greedy(&gpu);
-            let (mut same, mut total, mut worst) = (0, 0, 0f64);
-            for (a, b) in out.iter().zip(&ref_out) {
-                let (a, b) = (&a.completions[0], &b.completions[0]);
-                for (x, y) in a.tokens.iter().zip(&b.tokens) {
-                    total += 1;
-                    if x.id == y.id {
-                        same += 1;
-                        worst = worst.max((x.logprob - y.logprob).abs() as f64);
-                    } else {
-                        break;
-                    }
-                }
-            }
+            let (same, total, worst) = agreement(&greedy(&gpu), &ref_out);
             println!(
                 "PARITY {name} greedy decode {dtype:?}: {same}/{total} tokens equal to the CPU's \
                  before the first difference; max logprob diff on them {worst:.2e}"
@@ -474,19 +461,7 @@ fn parity(device: &Device) {
             let on_host = sampled(&gpu);
             set_device_sampling(true);
             let on_device = sampled(&gpu);
-            let (mut same, mut total, mut worst) = (0, 0, 0f64);
-            for (a, b) in on_device.iter().zip(&on_host) {
-                let (a, b) = (&a.completions[0], &b.completions[0]);
-                for (x, y) in a.tokens.iter().zip(&b.tokens) {
-                    total += 1;
-                    if x.id == y.id {
-                        same += 1;
-                        worst = worst.max((x.logprob - y.logprob).abs() as f64);
-                    } else {
-                        break;
-                    }
-                }
-            }
+            let (same, total, worst) = agreement(&on_device, &on_host);
             println!(
                 "PARITY {name} seeded sampling {dtype:?}, draws on the GPU vs on the host: \
                  {same}/{total} tokens equal before the first difference; max logprob diff {worst:.2e}"
@@ -628,4 +603,22 @@ fn main() {
         }
         other => panic!("unknown command {other}: decode, train, parity or all"),
     }
+}
+
+/// How far two runs of the same requests agree: tokens equal before each request's first
+/// difference, tokens compared, and the largest logprob difference on the equal ones.
+fn agreement(a: &[GenerationOutput], b: &[GenerationOutput]) -> (usize, usize, f64) {
+    let (mut same, mut total, mut worst) = (0, 0, 0f64);
+    for (a, b) in a.iter().zip(b) {
+        let (a, b) = (&a.completions[0], &b.completions[0]);
+        for (x, y) in a.tokens.iter().zip(&b.tokens) {
+            total += 1;
+            if x.id != y.id {
+                break;
+            }
+            same += 1;
+            worst = worst.max((x.logprob - y.logprob).abs() as f64);
+        }
+    }
+    (same, total, worst)
 }

@@ -249,23 +249,37 @@ const MODULE: &str = "art_decode";
 #[cfg(feature = "cuda")]
 const THREADS: u32 = 256;
 
-/// The kernels' PTX, compiled once per process.
+/// PTX compiled once per process.
 #[cfg(feature = "cuda")]
-fn ptx() -> candle_core::Result<&'static str> {
+pub(crate) type PtxCell = std::sync::OnceLock<std::result::Result<String, String>>;
+
+/// `source`'s PTX, compiled by NVRTC the first time and kept in `cell` (an error too: it would
+/// not compile the second time either). `what` names the kernels in the error.
+#[cfg(feature = "cuda")]
+pub(crate) fn nvrtc_ptx(
+    cell: &'static PtxCell,
+    source: &str,
+    what: &str,
+) -> candle_core::Result<&'static str> {
     use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-    static PTX: std::sync::OnceLock<std::result::Result<String, String>> =
-        std::sync::OnceLock::new();
-    PTX.get_or_init(|| {
+    cell.get_or_init(|| {
         let opts = CompileOptions {
             arch: Some("compute_90"),
             ..Default::default()
         };
-        compile_ptx_with_opts(SOURCE, opts)
+        compile_ptx_with_opts(source, opts)
             .map(|p| p.to_src())
-            .map_err(|e| format!("NVRTC could not compile the decode kernels: {e}"))
+            .map_err(|e| format!("NVRTC could not compile {what}: {e}"))
     })
     .as_deref()
     .map_err(|e| candle_core::Error::Msg(e.clone()))
+}
+
+/// The kernels' PTX, compiled once per process.
+#[cfg(feature = "cuda")]
+fn ptx() -> candle_core::Result<&'static str> {
+    static PTX: PtxCell = PtxCell::new();
+    nvrtc_ptx(&PTX, SOURCE, "the decode kernels")
 }
 
 #[cfg(feature = "cuda")]

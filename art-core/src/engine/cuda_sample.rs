@@ -310,20 +310,8 @@ extern "C" __global__ void art_sample_f32(const float* logits, const double* par
 /// The kernel's PTX, compiled once per process.
 #[cfg(feature = "cuda")]
 fn ptx() -> candle_core::Result<&'static str> {
-    use candle_core::cuda_backend::cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-    static PTX: std::sync::OnceLock<std::result::Result<String, String>> =
-        std::sync::OnceLock::new();
-    PTX.get_or_init(|| {
-        let opts = CompileOptions {
-            arch: Some("compute_90"),
-            ..Default::default()
-        };
-        compile_ptx_with_opts(SOURCE, opts)
-            .map(|p| p.to_src())
-            .map_err(|e| format!("NVRTC could not compile the sampling kernel: {e}"))
-    })
-    .as_deref()
-    .map_err(|e| candle_core::Error::Msg(e.clone()))
+    static PTX: super::cuda_decode::PtxCell = super::cuda_decode::PtxCell::new();
+    super::cuda_decode::nvrtc_ptx(&PTX, SOURCE, "the sampling kernel")
 }
 
 #[cfg(test)]
