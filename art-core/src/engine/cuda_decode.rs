@@ -15,6 +15,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::error::Result;
+use super::switch::EnvSwitch;
 
 /// The longest cache the attention kernel takes (its scores live in 48 KB of shared memory).
 pub(crate) const MAX_LEN: usize = 11_000;
@@ -44,16 +45,8 @@ pub(crate) fn available(device: &Device, dtype: DType, head_dim: usize) -> bool 
 }
 
 fn enabled() -> bool {
-    use std::sync::atomic::{AtomicU8, Ordering};
-    static STATE: AtomicU8 = AtomicU8::new(0);
-    match STATE.load(Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("ART_DECODE_KERNEL").map_or(true, |v| v != "0");
-            STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-            on
-        }
-        s => s == 2,
-    }
+    static DECODE_KERNEL: EnvSwitch = EnvSwitch::new("ART_DECODE_KERNEL");
+    DECODE_KERNEL.on()
 }
 
 /// The raw device address of a contiguous CUDA tensor's first element.

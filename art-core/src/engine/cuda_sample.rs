@@ -17,28 +17,20 @@ use candle_core::{DType, Tensor};
 
 use super::error::Result;
 use super::sampler::{DeviceDraw, DeviceResult};
+use super::switch::EnvSwitch;
 
-/// 0: not read from the environment yet, 1: off, 2: on.
-static STATE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+static SAMPLE_ON_DEVICE: EnvSwitch = EnvSwitch::new("ART_GPU_SAMPLE");
 
 /// Whether decode steps sample on the GPU (`ART_GPU_SAMPLE=0` turns it off).
 pub(crate) fn enabled() -> bool {
-    use std::sync::atomic::Ordering;
-    match STATE.load(Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("ART_GPU_SAMPLE").map_or(true, |v| v != "0");
-            STATE.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-            on
-        }
-        s => s == 2,
-    }
+    SAMPLE_ON_DEVICE.on()
 }
 
 /// Turns sampling on the GPU on (the default) or off (every row is copied to the host and
 /// sampled there, as on the CPU). For benchmarks and checks that compare the two in one
 /// process; `ART_GPU_SAMPLE=0` sets the default.
 pub fn set_device_sampling(on: bool) {
-    STATE.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
+    SAMPLE_ON_DEVICE.set(on);
 }
 
 /// Checks the sampling kernel against its host reference ([`DeviceDraw::reference`]) on

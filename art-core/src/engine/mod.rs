@@ -34,6 +34,7 @@ pub(crate) mod ops;
 pub mod random;
 mod sampler;
 mod scheduler;
+mod switch;
 mod tokenizer;
 pub mod tool_calls;
 

@@ -9,7 +9,6 @@
 //! runs in f64). Other devices and dtypes keep the composite candle paths; callers check
 //! [`supported`] first.
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
@@ -19,31 +18,25 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
+use super::switch::EnvSwitch;
+
 /// Whether the fused kernels run for tensors like `t` (CPU, f32 or f64, and not switched off
 /// with [`set_fused_ops`] or `ART_FUSED_OPS=0`).
 pub(crate) fn supported(t: &Tensor) -> bool {
     fused_ops() && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
-/// 0: not read from the environment yet, 1: off, 2: on.
-static FUSED: AtomicU8 = AtomicU8::new(0);
+static FUSED: EnvSwitch = EnvSwitch::new("ART_FUSED_OPS");
 
 fn fused_ops() -> bool {
-    match FUSED.load(Ordering::Relaxed) {
-        0 => {
-            let on = std::env::var("ART_FUSED_OPS").map_or(true, |v| v != "0");
-            FUSED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-            on
-        }
-        state => state == 2,
-    }
+    FUSED.on()
 }
 
 /// Turns the fused CPU kernels on (the default) or off (candle's composite ops run instead,
 /// with the same results up to rounding). For benchmarks that measure the difference in one
 /// process, and for bisecting a numerical question; `ART_FUSED_OPS=0` sets the default.
 pub fn set_fused_ops(on: bool) {
-    FUSED.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    FUSED.set(on);
 }
 
 /// Runs candle's element-wise CPU ops on the calling thread unless `CANDLE_NUM_THREADS` says
