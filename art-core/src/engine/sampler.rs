@@ -196,7 +196,7 @@ impl DeviceDraw {
         let id = if self.greedy {
             argmax(logits)
         } else {
-            inverse_cdf(logits, max, self.inv_t, self.u)
+            inverse_cdf(logits, max, self.inv_t, sum, self.u)
         };
         DeviceResult {
             id: id as u32,
@@ -238,7 +238,7 @@ impl Sampler {
         let id = if greedy {
             argmax(logits)
         } else {
-            self.draw(logits, max, inv_t)
+            self.draw(logits, max, inv_t, sum)
         };
         let top_logprobs = if self.params.top_logprobs > 0 {
             top_k_indices(logits, self.params.top_logprobs)
@@ -257,17 +257,17 @@ impl Sampler {
         }
     }
 
-    /// A draw from softmax(logits / T) restricted by top-k and top-p.
-    fn draw(&mut self, logits: &[f32], max: f32, inv_t: f32) -> usize {
+    /// A draw from softmax(logits / T) restricted by top-k and top-p; `total` is the sum of
+    /// the row's weights `exp((l - max) / T)`, which [`Sampler::sample`] has already computed.
+    fn draw(&mut self, logits: &[f32], max: f32, inv_t: f32, total: f64) -> usize {
         let (k, p) = (self.params.top_k, self.params.top_p);
         let weight = |l: f32| (((l - max) * inv_t) as f64).exp();
         if k == 0 && p >= 1.0 {
             let u = self.rng.random::<f64>();
-            return inverse_cdf(logits, max, inv_t, u);
+            return inverse_cdf(logits, max, inv_t, total, u);
         }
         // Candidates in descending order. Top-p usually needs only a few hundred of them:
         // try a bounded prefix first, and sort everything only when that does not reach p.
-        let total: f64 = logits.iter().map(|&l| weight(l)).sum();
         let limit = if k > 0 {
             k.min(logits.len())
         } else {
@@ -304,13 +304,12 @@ impl Sampler {
     }
 }
 
-/// A draw from softmax(logits / T) (`inv_t` = 1 / T, `max` the largest logit) for a uniform
-/// `u` in [0, 1): the first token at which the running sum of the weights
-/// `exp((l - max) / T)` reaches `u` times their total. What [`Sampler::sample`] does without
-/// top-k or top-p, and what the CUDA sampling kernel computes (`cuda_sample`).
-pub(crate) fn inverse_cdf(logits: &[f32], max: f32, inv_t: f32, u: f64) -> usize {
+/// A draw from softmax(logits / T) (`inv_t` = 1 / T, `max` the largest logit, `total` the sum of
+/// the weights `exp((l - max) / T)`) for a uniform `u` in [0, 1): the first token at which the
+/// running sum of the weights reaches `u` times their total. What [`Sampler::sample`] does
+/// without top-k or top-p, and what the CUDA sampling kernel computes (`cuda_sample`).
+pub(crate) fn inverse_cdf(logits: &[f32], max: f32, inv_t: f32, total: f64, u: f64) -> usize {
     let weight = |l: f32| (((l - max) * inv_t) as f64).exp();
-    let total: f64 = logits.iter().map(|&l| weight(l)).sum();
     let mut u = u * total;
     for (i, &l) in logits.iter().enumerate() {
         u -= weight(l);
