@@ -1,6 +1,6 @@
 //! Decode throughput on SmolLM2-135M-Instruct (Q4_1 GGUF) on this machine.
 //!
-//! cargo run --release -p art-core --features engine --example bench_decode [-- MODEL.gguf] [--batches 1,8,32] [--quantized]
+//! cargo run --release -p art-core --features engine --example bench_decode [-- MODEL.gguf] [--batches 1,8,32] [--quantized | --quantized-only]
 //!
 //! For each batch size: prompts of ~128 tokens, 128 sampled tokens each (ignore_eos), prints
 //! prefill and decode tokens/s for the dense f32 weights (and the quantized ones with --quantized).
@@ -19,6 +19,7 @@ fn main() {
     let mut model = String::from("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let mut batches = vec![1usize, 8, 32];
     let mut quantized_too = false;
+    let mut dense_too = true;
     let mut gen_tokens = 128usize;
     let mut llama_cpp: Option<String> = None;
     let mut it = args.iter();
@@ -34,6 +35,10 @@ fn main() {
             }
             "--tokens" => gen_tokens = it.next().expect("--tokens N").parse().expect("N"),
             "--quantized" => quantized_too = true,
+            "--quantized-only" => {
+                quantized_too = true;
+                dense_too = false
+            }
             "--llama-cpp" => llama_cpp = Some(it.next().expect("--llama-cpp DIR").clone()),
             other => model = other.to_string(),
         }
@@ -49,7 +54,10 @@ fn main() {
     let base = "The history of the city begins in antiquity, when a small settlement grew up on \
                 the banks of the river. Over the centuries it became a center of trade, learning \
                 and art. ";
-    let mut modes = vec![false];
+    let mut modes = Vec::new();
+    if dense_too {
+        modes.push(false);
+    }
     if quantized_too {
         modes.push(true);
     }

@@ -8,6 +8,12 @@ use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, S
 
 use super::error::Result;
 use super::lora::LoraPair;
+#[cfg(target_arch = "x86_64")]
+use super::qgemm::PackedWeight;
+use super::switch::EnvSwitch;
+
+/// The repacked AVX-512 VNNI kernels for quantized weights (`ART_QGEMM=0`: candle's kernels).
+pub(crate) static PACKED_QGEMM: EnvSwitch = EnvSwitch::new("ART_QGEMM");
 
 /// `y = x W^T + b`, plus `scale * (x A^T) B^T` when a LoRA pair is given.
 #[derive(Debug, Clone)]
@@ -16,6 +22,9 @@ pub struct Linear {
     weight: Tensor,
     /// The same weight in its quantized GGUF form, when the model came from a GGUF file.
     quantized: Option<Arc<QMatMul>>,
+    /// The quantized weight repacked for this CPU's AVX-512 VNNI kernels, where it has them.
+    #[cfg(target_arch = "x86_64")]
+    packed: Option<Arc<PackedWeight>>,
     bias: Option<Tensor>,
 }
 
@@ -24,6 +33,8 @@ impl Linear {
         Linear {
             weight,
             quantized: None,
+            #[cfg(target_arch = "x86_64")]
+            packed: None,
             bias,
         }
     }
@@ -31,7 +42,9 @@ impl Linear {
     /// A linear layer from a quantized tensor: dequantized to `dtype` for the dense path, and
     /// kept quantized too when `keep_quantized`. On CPU, formats that candle has no SIMD kernel
     /// for (Q4_1, Q5_0, Q5_1, Q8_1) are re-quantized to Q8_0, which has AVX2/NEON kernels (the
-    /// dense weights stay the exact dequantized GGUF values).
+    /// dense weights stay the exact dequantized GGUF values); on CPUs with AVX-512 VNNI the
+    /// weight is also repacked for our kernels (Q4_0/Q4_1/Q8_0 as they are, any other format
+    /// re-quantized to Q8_0).
     pub fn from_qtensor(
         qtensor: Arc<QTensor>,
         bias: Option<Tensor>,
@@ -40,6 +53,18 @@ impl Linear {
         keep_quantized: bool,
     ) -> Result<Self> {
         let dense = qtensor.dequantize(device)?;
+        #[cfg(target_arch = "x86_64")]
+        let packed = if keep_quantized && device.is_cpu() && super::qgemm::available() {
+            let packed = match PackedWeight::pack(&qtensor) {
+                Some(p) => Some(p),
+                None => QTensor::quantize(&dense, GgmlDType::Q8_0)
+                    .ok()
+                    .and_then(|q| PackedWeight::pack(&q)),
+            };
+            packed.map(Arc::new)
+        } else {
+            None
+        };
         let quantized = if keep_quantized {
             let q = if device.is_cpu() && needs_requantize(&qtensor) {
                 Arc::new(QTensor::quantize(&dense, GgmlDType::Q8_0)?)
@@ -54,6 +79,8 @@ impl Linear {
         Ok(Linear {
             weight,
             quantized,
+            #[cfg(target_arch = "x86_64")]
+            packed,
             bias,
         })
     }
@@ -89,7 +116,10 @@ impl Linear {
         let rows = x.elem_count() / in_dim.max(1);
         let x2 = x.reshape((rows, in_dim))?;
         let mut y = match (&self.quantized, quantized) {
-            (Some(q), true) => q.forward(&x2)?,
+            (Some(q), true) => match self.packed_forward(&x2)? {
+                Some(y) => y,
+                None => q.forward(&x2)?,
+            },
             _ if x2.track_op() => frozen_matmul(&x2, &self.weight)?,
             _ => x2.matmul(&self.weight.t()?)?,
         };
@@ -105,6 +135,37 @@ impl Linear {
         let mut out_dims = dims;
         *out_dims.last_mut().unwrap() = self.out_features();
         Ok(y.reshape(out_dims)?)
+    }
+
+    /// `x W^T` with the repacked weight, for a contiguous f32 `[rows, in]` on the CPU; `None`
+    /// where that does not apply (no packed weight, another dtype, switched off).
+    #[cfg(target_arch = "x86_64")]
+    fn packed_forward(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let Some(packed) = &self.packed else {
+            return Ok(None);
+        };
+        if x.dtype() != DType::F32 || !x.device().is_cpu() || !PACKED_QGEMM.on() {
+            return Ok(None);
+        }
+        let rows = x.dims()[0];
+        let x = x.contiguous()?;
+        let (storage, layout) = x.storage_and_layout();
+        let Storage::Cpu(cpu) = &*storage else {
+            return Ok(None);
+        };
+        let input = &cpu.as_slice::<f32>()?[layout.start_offset()..][..x.elem_count()];
+        let mut out = vec![0f32; rows * packed.out_features()];
+        packed.matmul(input, rows, &mut out);
+        Ok(Some(Tensor::from_vec(
+            out,
+            (rows, packed.out_features()),
+            x.device(),
+        )?))
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn packed_forward(&self, _: &Tensor) -> Result<Option<Tensor>> {
+        Ok(None)
     }
 
     /// The adapter's update alone, `scale * (x A^T) B^T`, shaped like the layer's output.

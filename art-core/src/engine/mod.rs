@@ -21,6 +21,7 @@
 pub mod chat_template;
 mod config;
 mod constraint;
+mod cpu_attention;
 mod cuda_decode;
 mod cuda_sample;
 mod error;
@@ -31,6 +32,8 @@ mod load;
 mod lora;
 mod model;
 pub(crate) mod ops;
+#[cfg(target_arch = "x86_64")]
+mod qgemm;
 pub mod random;
 mod sampler;
 mod scheduler;

@@ -13,6 +13,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use super::config::ModelConfig;
+use super::cpu_attention;
 use super::cuda_decode::{self, DecodePlan};
 use super::error::{EngineError, Result};
 use super::linear::Linear;
@@ -328,6 +329,21 @@ impl Attention {
                     .then(|| causal_mask(l, 0, q.dtype(), q.device()))
                     .transpose()?;
                 self.attend(&q, &k, &v, mask.as_ref())?
+            }
+            // One token per sequence on the CPU: one pass over every cache.
+            (Some(caches), None) if l == 1 && q.device().is_cpu() && q.dtype() == DType::F32 => {
+                let mut keys = Vec::with_capacity(b);
+                let mut values = Vec::with_capacity(b);
+                for (i, cache) in caches.iter_mut().enumerate() {
+                    let (k_all, v_all) = cache.layers[self.layer].append(
+                        cache.len,
+                        &k.narrow(0, i, 1)?,
+                        &v.narrow(0, i, 1)?,
+                    )?;
+                    keys.push(k_all);
+                    values.push(v_all);
+                }
+                cpu_attention::decode(&q, &keys, &values)?
             }
             (Some(caches), None) => {
                 let mut rows = Vec::with_capacity(b);
