@@ -10,6 +10,7 @@ use candle_core::{DType, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::error::{EngineError, Result};
+use super::ops::Real;
 
 /// Multiply-adds (of each half, scores and values) from which the batch is split across threads.
 const PARALLEL_WORK: usize = 1 << 20;
@@ -60,23 +61,19 @@ pub(crate) fn decode(q: &Tensor, keys: &[Tensor], values: &[Tensor]) -> Result<T
     let (keys, values) = caches.split_at(batch);
 
     let mut out = vec![0f32; batch * heads * hd];
-    let out_addr = out.as_mut_ptr() as usize;
+    let job = Job {
+        q: q_data,
+        keys,
+        values,
+        heads,
+        hd,
+        out: out.as_mut_ptr() as usize,
+    };
     // Work items: (sequence, key/value head); each computes the query heads that share it.
     let kv = keys.first().map_or(1, |c| c.kv);
-    let run = |item: usize| {
-        let (b, g) = (item / kv, item % kv);
-        let (k, v) = (&keys[b], &values[b]);
-        let n_rep = heads / k.kv;
-        let mut scores = Vec::with_capacity(k.len);
-        for h in g * n_rep..(g + 1) * n_rep {
-            let query = &q_data[(b * heads + h) * hd..][..hd];
-            // SAFETY: item (b, g) writes only heads g*n_rep..(g+1)*n_rep of sequence b.
-            let out = unsafe {
-                std::slice::from_raw_parts_mut((out_addr as *mut f32).add((b * heads + h) * hd), hd)
-            };
-            attend_one(query, k, v, g, &mut scores, out);
-        }
-    };
+    let simd = Simd::detect();
+    // SAFETY: `detect` checked the CPU features `run` uses; items write disjoint outputs.
+    let run = |item: usize| unsafe { job.run(item / kv, item % kv, simd) };
     // Waking rayon's workers costs tens of microseconds: a small batch runs on this thread.
     let work: usize = keys.iter().map(|k| k.len).sum::<usize>() * heads * hd;
     if work >= PARALLEL_WORK {
@@ -102,34 +99,106 @@ impl CacheView<'_> {
     }
 }
 
-/// `softmax(q K^T) V` for one query head against head `g` of one cache.
-fn attend_one(
-    query: &[f32],
-    keys: &CacheView,
-    values: &CacheView,
-    g: usize,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    let hd = query.len();
-    scores.clear();
-    scores.extend((0..keys.len).map(|t| dot(query, keys.row(g, t, hd))));
-    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
+/// The widest vector instructions this CPU has, for the attention loops (compiled once per
+/// level; LLVM vectorizes the same source to each).
+#[derive(Clone, Copy)]
+enum Simd {
+    Avx512,
+    Avx2,
+    Baseline,
+}
+
+impl Simd {
+    fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Simd::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Baseline
     }
-    out.fill(0.0);
-    for (t, &p) in scores.iter().enumerate() {
-        let p = p / sum;
-        for (o, &x) in out.iter_mut().zip(values.row(g, t, hd)) {
-            *o += p * x;
+}
+
+struct Job<'a> {
+    /// `[B, H, hd]`.
+    q: &'a [f32],
+    keys: &'a [CacheView<'a>],
+    values: &'a [CacheView<'a>],
+    heads: usize,
+    hd: usize,
+    /// Address of the `[B, H, hd]` output.
+    out: usize,
+}
+
+impl Job<'_> {
+    /// The query heads of sequence `b` that share key/value head `g`.
+    ///
+    /// # Safety
+    /// `simd` must be supported by this CPU, and no other call may run with the same `(b, g)`.
+    unsafe fn run(&self, b: usize, g: usize, simd: Simd) {
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => unsafe { self.run_avx512(b, g) },
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => unsafe { self.run_avx2(b, g) },
+            _ => unsafe { self.run_any(b, g) },
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn run_avx512(&self, b: usize, g: usize) {
+        unsafe { self.run_any(b, g) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2(&self, b: usize, g: usize) {
+        unsafe { self.run_any(b, g) }
+    }
+
+    #[inline(always)]
+    unsafe fn run_any(&self, b: usize, g: usize) {
+        let (keys, values, hd) = (&self.keys[b], &self.values[b], self.hd);
+        let n_rep = self.heads / keys.kv;
+        let mut scores = vec![0f32; keys.len];
+        for h in g * n_rep..(g + 1) * n_rep {
+            let query = &self.q[(b * self.heads + h) * hd..][..hd];
+            // SAFETY: the caller's: (b, g) is this call's alone, so heads g*n_rep..(g+1)*n_rep
+            // of sequence b are written by nobody else.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (self.out as *mut f32).add((b * self.heads + h) * hd),
+                    hd,
+                )
+            };
+            // softmax(q K^T) V for this head.
+            for (t, s) in scores.iter_mut().enumerate() {
+                *s = dot(query, keys.row(g, t, hd));
+            }
+            let max = lanes(&scores, f32::NEG_INFINITY, f32::max);
+            for s in scores.iter_mut() {
+                *s -= max;
+            }
+            <f32 as Real>::exp_in_place(&mut scores);
+            let inverse = 1.0 / lanes(&scores, 0.0, |a, b| a + b);
+            out.fill(0.0);
+            for (t, &p) in scores.iter().enumerate() {
+                let p = p * inverse;
+                for (o, &x) in out.iter_mut().zip(values.row(g, t, hd)) {
+                    *o += p * x;
+                }
+            }
         }
     }
 }
 
 /// A dot product with eight independent partial sums (vectorizes; one running sum would not).
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut partial = [0f32; 8];
     let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -145,6 +214,20 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     partial.iter().sum::<f32>() + tail
+}
+
+/// `xs` folded with `f` over eight independent lanes (vectorizes), starting from `init`.
+#[inline(always)]
+fn lanes(xs: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut acc = [init; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail = chunks.remainder().iter().fold(init, |a, &x| f(a, x));
+    for c in chunks {
+        for i in 0..8 {
+            acc[i] = f(acc[i], c[i]);
+        }
+    }
+    acc.into_iter().fold(tail, f)
 }
 
 fn cpu_f32(storage: &impl std::ops::Deref<Target = Storage>) -> Result<&[f32]> {

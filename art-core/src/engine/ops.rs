@@ -74,6 +74,8 @@ pub(crate) trait Real:
 }
 
 impl Real for f32 {
+    // Inlined so a caller compiled for wider vectors (decode attention) vectorizes it too.
+    #[inline(always)]
     fn exp_in_place(xs: &mut [f32]) {
         for x in xs {
             *x = exp_f32(*x);
