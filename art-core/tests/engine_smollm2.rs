@@ -98,3 +98,25 @@ fn chat_answer_names_paris() {
     let text = greedy(engine, prompt, 12);
     assert!(text.contains("Paris"), "got {text:?}");
 }
+
+#[test]
+fn quantized_weights_answer_like_the_dense_ones() {
+    let path = model_path();
+    if !path.exists() {
+        eprintln!("SKIPPED: {} is missing", path.display());
+        return;
+    }
+    // An engine of its own: switching the shared one would change the other tests' numbers.
+    let engine = Engine::load(&ModelSource::Gguf(path), &LoadOptions::default()).unwrap();
+    engine.set_use_quantized(true);
+    assert!(engine.use_quantized());
+    println!(
+        "quantized kernels: {}",
+        art_core::engine::quantized_kernels()
+    );
+    let text = greedy(&engine, "The capital of France is", 8);
+    assert!(text.contains(" Paris"), "got {text:?}");
+    let prompt = "<|im_start|>user\nWhat is the capital of France? Answer in one word.<|im_end|>\n<|im_start|>assistant\n";
+    let text = greedy(&engine, prompt, 12);
+    assert!(text.contains("Paris"), "got {text:?}");
+}

@@ -3,7 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use art_e2e::TestServer;
+use art_core::server::{build_state, ServeOptions};
+use art_e2e::{tiny_model, TempDir, TestServer};
 use serde_json::{json, Value};
 
 async fn post(server: &TestServer, body: Value) -> (u16, Value) {
@@ -281,6 +282,24 @@ async fn the_api_key_is_required_when_set() {
         .await
         .unwrap();
     assert_eq!(health.status(), 200);
+}
+
+#[test]
+fn quantized_sampling_needs_a_gguf_model() {
+    let dir = TempDir::new("quantized");
+    let options = ServeOptions {
+        model: tiny_model(dir.path()).display().to_string(),
+        art_dir: dir.path().join(".art"),
+        quantized: true,
+        ..ServeOptions::default()
+    };
+    let error = build_state(&options)
+        .err()
+        .expect("no quantized weights to sample with");
+    assert!(
+        error.to_string().contains("--quantized needs a GGUF model"),
+        "{error}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

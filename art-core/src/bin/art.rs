@@ -40,6 +40,11 @@ struct ServeArgs {
     /// `cpu`, or `cuda` / `cuda:N` in a CUDA build.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Sample with the GGUF file's quantized weights (llama.cpp's arithmetic: faster decoding on
+    /// CPU, logits within a few percent of the dense ones). Training always uses the dense
+    /// weights, so the trainer's probabilities then differ slightly from the sampler's.
+    #[arg(long)]
+    quantized: bool,
     /// Sequences decoded together at most.
     #[arg(long, default_value_t = 64)]
     max_batch: usize,
@@ -105,6 +110,7 @@ async fn main() -> anyhow::Result<()> {
                 max_queue: args.max_queue,
                 default_max_tokens: args.default_max_tokens,
                 art_dir: args.art_dir,
+                quantized: args.quantized,
                 load,
             })
             .await

@@ -51,6 +51,8 @@ pub struct ServeOptions {
     pub default_max_tokens: usize,
     /// Where trained models and their checkpoints live.
     pub art_dir: PathBuf,
+    /// Sample with the quantized weights of a GGUF model (see [`Engine::set_use_quantized`]).
+    pub quantized: bool,
     pub load: LoadOptions,
 }
 
@@ -66,6 +68,7 @@ impl Default for ServeOptions {
             max_queue: 1024,
             default_max_tokens: 1024,
             art_dir: PathBuf::from(".art"),
+            quantized: false,
             load: LoadOptions::default(),
         }
     }
@@ -85,6 +88,19 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
         &ModelSource::parse(&options.model),
         &options.load,
     )?);
+    if options.quantized {
+        engine.set_use_quantized(true);
+        if !engine.use_quantized() {
+            anyhow::bail!(
+                "--quantized needs a GGUF model with quantized weights, and `{}` has none",
+                options.model
+            );
+        }
+        eprintln!(
+            "art serve: sampling with the quantized weights ({})",
+            crate::engine::quantized_kernels()
+        );
+    }
     let template = state::chat_template(&engine)
         .map_err(|e| anyhow::anyhow!("the model's chat template: {e}"))?;
     let base_model = options
