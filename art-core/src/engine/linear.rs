@@ -14,6 +14,8 @@ use super::switch::EnvSwitch;
 
 /// The repacked AVX-512 VNNI kernels for quantized weights (`ART_QGEMM=0`: candle's kernels).
 pub(crate) static PACKED_QGEMM: EnvSwitch = EnvSwitch::new("ART_QGEMM");
+/// Our kernel for dense products of a few rows (`ART_SKINNY_MATMUL=0`: candle's gemm).
+static SKINNY_MATMUL: EnvSwitch = EnvSwitch::new("ART_SKINNY_MATMUL");
 
 /// `y = x W^T + b`, plus `scale * (x A^T) B^T` when a LoRA pair is given.
 #[derive(Debug, Clone)]
@@ -121,7 +123,10 @@ impl Linear {
                 None => q.forward(&x2)?,
             },
             _ if x2.track_op() => frozen_matmul(&x2, &self.weight)?,
-            _ => x2.matmul(&self.weight.t()?)?,
+            _ => match skinny_forward(&x2, &self.weight)? {
+                Some(y) => y,
+                None => x2.matmul(&self.weight.t()?)?,
+            },
         };
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
@@ -184,6 +189,43 @@ impl Linear {
         let mut out_dims = dims;
         *out_dims.last_mut().unwrap() = b.dims()[0];
         Ok(delta.reshape(out_dims)?)
+    }
+}
+
+/// `x W^T` for a few rows of f32 on a CPU with AVX-512 (a decoding step), with our kernel
+/// instead of gemm, which would repack all of `W` first; `None` where that does not apply.
+fn skinny_forward(x: &Tensor, weight: &Tensor) -> Result<Option<Tensor>> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::skinny;
+        let (rows, k) = x.dims2()?;
+        let n = weight.dims()[0];
+        let applies = rows <= skinny::MAX_ROWS
+            && x.dtype() == DType::F32
+            && weight.dtype() == DType::F32
+            && x.device().is_cpu()
+            && weight.is_contiguous()
+            && skinny::available()
+            && SKINNY_MATMUL.on();
+        if !applies {
+            return Ok(None);
+        }
+        let x = x.contiguous()?;
+        let (x_storage, x_layout) = x.storage_and_layout();
+        let (w_storage, w_layout) = weight.storage_and_layout();
+        let (Storage::Cpu(xs), Storage::Cpu(ws)) = (&*x_storage, &*w_storage) else {
+            return Ok(None);
+        };
+        let xs = &xs.as_slice::<f32>()?[x_layout.start_offset()..][..rows * k];
+        let ws = &ws.as_slice::<f32>()?[w_layout.start_offset()..][..n * k];
+        let mut out = vec![0f32; rows * n];
+        skinny::matmul(xs, ws, rows, n, k, &mut out);
+        Ok(Some(Tensor::from_vec(out, (rows, n), x.device())?))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (x, weight);
+        Ok(None)
     }
 }
 

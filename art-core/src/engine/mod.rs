@@ -37,6 +37,8 @@ mod qgemm;
 pub mod random;
 mod sampler;
 mod scheduler;
+#[cfg(target_arch = "x86_64")]
+mod skinny;
 mod switch;
 mod tokenizer;
 pub mod tool_calls;
