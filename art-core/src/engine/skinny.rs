@@ -12,7 +12,8 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-/// Rows of `x` up to which this beats gemm (measured on SmolLM2's layers).
+/// Rows of `x` up to which this is used. SmolLM2's dense decoding at batch 64 ran 1.8x faster
+/// than with gemm (182 vs 99 tok/s); larger products are gemm's ground.
 pub(crate) const MAX_ROWS: usize = 64;
 /// Weight rows per tile.
 const TILE_N: usize = 4;
