@@ -13,7 +13,7 @@ use super::qgemm::PackedWeight;
 use super::switch::EnvSwitch;
 
 /// The repacked AVX-512 VNNI kernels for quantized weights (`ART_QGEMM=0`: candle's kernels).
-pub(crate) static PACKED_QGEMM: EnvSwitch = EnvSwitch::new("ART_QGEMM");
+static PACKED_QGEMM: EnvSwitch = EnvSwitch::new("ART_QGEMM");
 /// Our kernel for dense products of a few rows (`ART_SKINNY_MATMUL=0`: candle's gemm).
 static SKINNY_MATMUL: EnvSwitch = EnvSwitch::new("ART_SKINNY_MATMUL");
 
