@@ -62,7 +62,32 @@ pub(crate) fn configure_cpu_threads() {
             let cores = candle_core::utils::get_num_threads();
             std::env::set_var("RAYON_NUM_THREADS", cores.to_string());
         }
+        configure_allocator();
     });
+}
+
+/// Keeps freed memory in the process for reuse instead of returning it to the kernel at once.
+/// A training step allocates and frees hundreds of megabytes of activations and gradients;
+/// with glibc's defaults, every buffer above its adaptive threshold is a fresh `mmap` whose
+/// pages fault in and are zeroed on first touch: 17% of a CPU training step's time was system
+/// time. Here buffers up to 32 MiB (glibc's largest threshold) come from the heap, and up to
+/// 1 GiB of freed heap is kept. Measured on train_bench (SmolLM2, 8 x 128, three iterations,
+/// three alternating runs each way): system time 9.2-10.8 -> 5.8-6.4 s, 72.5 -> 77.8 tok/s on
+/// average. The price is a process that keeps its
+/// peak heap (`ART_MALLOC_TUNING=0` leaves glibc's defaults). Called with
+/// [`configure_cpu_threads`]; glibc only.
+fn configure_allocator() {
+    if std::env::var("ART_MALLOC_TUNING").is_ok_and(|v| v == "0") {
+        return;
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; called once, before the engine allocates
+    // its tensors. A parameter it refuses stays at glibc's default.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TOP_PAD, 256 << 20);
+    }
 }
 
 /// The float types the kernels are written for.
