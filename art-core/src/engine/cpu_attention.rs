@@ -6,11 +6,10 @@
 //! operating system for the core count on every call. For SmolLM2 at batch 8 that overhead was
 //! about 40% of a decode step, for a few hundred thousand multiply-adds of actual work.
 
-use candle_core::{DType, Storage, Tensor};
-use rayon::prelude::*;
+use candle_core::{DType, Tensor};
 
 use super::error::{EngineError, Result};
-use super::ops::Real;
+use super::ops::{self, dot, max_of, sum_of, Real};
 
 /// Multiply-adds (of each half, scores and values) from which the batch is split across threads.
 const PARALLEL_WORK: usize = 1 << 20;
@@ -74,13 +73,8 @@ pub(crate) fn decode(q: &Tensor, keys: &[Tensor], values: &[Tensor]) -> Result<T
     let simd = Simd::detect();
     // SAFETY: `detect` checked the CPU features `run` uses; items write disjoint outputs.
     let run = |item: usize| unsafe { job.run(item / kv, item % kv, simd) };
-    // Waking rayon's workers costs tens of microseconds: a small batch runs on this thread.
     let work: usize = keys.iter().map(|k| k.len).sum::<usize>() * heads * hd;
-    if work >= PARALLEL_WORK {
-        (0..batch * kv).into_par_iter().for_each(run);
-    } else {
-        (0..batch * kv).for_each(run);
-    }
+    ops::for_each_index(batch * kv, work >= PARALLEL_WORK, run);
     drop(guards);
     Ok(Tensor::from_vec(out, (batch, heads, 1, hd), q.device())?)
 }
@@ -180,12 +174,12 @@ impl Job<'_> {
             for (t, s) in scores.iter_mut().enumerate() {
                 *s = dot(query, keys.row(g, t, hd));
             }
-            let max = lanes(&scores, f32::NEG_INFINITY, f32::max);
+            let max = max_of(&scores);
             for s in scores.iter_mut() {
                 *s -= max;
             }
             <f32 as Real>::exp_in_place(&mut scores);
-            let inverse = 1.0 / lanes(&scores, 0.0, |a, b| a + b);
+            let inverse = 1.0 / sum_of(&scores);
             out.fill(0.0);
             for (t, &p) in scores.iter().enumerate() {
                 let p = p * inverse;
@@ -197,46 +191,9 @@ impl Job<'_> {
     }
 }
 
-/// A dot product with eight independent partial sums (vectorizes; one running sum would not).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut partial = [0f32; 8];
-    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = a8
-        .remainder()
-        .iter()
-        .zip(b8.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in a8.zip(b8) {
-        for i in 0..8 {
-            partial[i] += x[i] * y[i];
-        }
-    }
-    partial.iter().sum::<f32>() + tail
-}
-
-/// `xs` folded with `f` over eight independent lanes (vectorizes), starting from `init`.
-#[inline(always)]
-fn lanes(xs: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
-    let mut acc = [init; 8];
-    let chunks = xs.chunks_exact(8);
-    let tail = chunks.remainder().iter().fold(init, |a, &x| f(a, x));
-    for c in chunks {
-        for i in 0..8 {
-            acc[i] = f(acc[i], c[i]);
-        }
-    }
-    acc.into_iter().fold(tail, f)
-}
-
-fn cpu_f32(storage: &impl std::ops::Deref<Target = Storage>) -> Result<&[f32]> {
-    match &**storage {
-        Storage::Cpu(cpu) => Ok(cpu.as_slice::<f32>()?),
-        _ => Err(internal(
-            "decode attention: tensors are not on the CPU".into(),
-        )),
-    }
+fn cpu_f32(storage: &impl std::ops::Deref<Target = candle_core::Storage>) -> Result<&[f32]> {
+    ops::cpu_f32(storage)
+        .ok_or_else(|| internal("decode attention: tensors are not f32 on the CPU".into()))
 }
 
 fn internal(message: String) -> EngineError {

@@ -9,6 +9,8 @@ use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, S
 use super::error::Result;
 use super::lora::LoraPair;
 #[cfg(target_arch = "x86_64")]
+use super::ops;
+#[cfg(target_arch = "x86_64")]
 use super::qgemm::PackedWeight;
 use super::switch::EnvSwitch;
 
@@ -153,19 +155,9 @@ impl Linear {
             return Ok(None);
         }
         let rows = x.dims()[0];
-        let x = x.contiguous()?;
-        let (storage, layout) = x.storage_and_layout();
-        let Storage::Cpu(cpu) = &*storage else {
-            return Ok(None);
-        };
-        let input = &cpu.as_slice::<f32>()?[layout.start_offset()..][..x.elem_count()];
-        let mut out = vec![0f32; rows * packed.out_features()];
-        packed.matmul(input, rows, &mut out);
-        Ok(Some(Tensor::from_vec(
-            out,
-            (rows, packed.out_features()),
-            x.device(),
-        )?))
+        cpu_product(x, packed.out_features(), |input, out| {
+            packed.matmul(input, rows, out)
+        })
     }
 
     #[cfg(not(target_arch = "x86_64"))]
@@ -210,23 +202,37 @@ fn skinny_forward(x: &Tensor, weight: &Tensor) -> Result<Option<Tensor>> {
         if !applies {
             return Ok(None);
         }
-        let x = x.contiguous()?;
-        let (x_storage, x_layout) = x.storage_and_layout();
         let (w_storage, w_layout) = weight.storage_and_layout();
-        let (Storage::Cpu(xs), Storage::Cpu(ws)) = (&*x_storage, &*w_storage) else {
+        let Some(ws) = ops::cpu_f32(&w_storage) else {
             return Ok(None);
         };
-        let xs = &xs.as_slice::<f32>()?[x_layout.start_offset()..][..rows * k];
-        let ws = &ws.as_slice::<f32>()?[w_layout.start_offset()..][..n * k];
-        let mut out = vec![0f32; rows * n];
-        skinny::matmul(xs, ws, rows, n, k, &mut out);
-        Ok(Some(Tensor::from_vec(out, (rows, n), x.device())?))
+        let ws = &ws[w_layout.start_offset()..][..n * k];
+        cpu_product(x, n, |xs, out| skinny::matmul(xs, ws, rows, n, k, out))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = (x, weight);
         Ok(None)
     }
+}
+
+/// `product(values of x, out)` for an f32 `[rows, k]` tensor `x` on the CPU, into a new
+/// `[rows, n]` tensor; `None` when `x` is elsewhere or of another dtype.
+#[cfg(target_arch = "x86_64")]
+fn cpu_product(
+    x: &Tensor,
+    n: usize,
+    product: impl FnOnce(&[f32], &mut [f32]),
+) -> Result<Option<Tensor>> {
+    let rows = x.dims()[0];
+    let x = x.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    let Some(values) = ops::cpu_f32(&storage) else {
+        return Ok(None);
+    };
+    let mut out = vec![0f32; rows * n];
+    product(&values[layout.start_offset()..][..x.elem_count()], &mut out);
+    Ok(Some(Tensor::from_vec(out, (rows, n), x.device())?))
 }
 
 /// `x W^T` for a frozen `W` inside an autograd graph. A plain matmul would make backward compute

@@ -330,23 +330,10 @@ impl Attention {
                     .transpose()?;
                 self.attend(&q, &k, &v, mask.as_ref())?
             }
-            // One token per sequence on the CPU: one pass over every cache.
-            (Some(caches), None) if l == 1 && q.device().is_cpu() && q.dtype() == DType::F32 => {
-                let mut keys = Vec::with_capacity(b);
-                let mut values = Vec::with_capacity(b);
-                for (i, cache) in caches.iter_mut().enumerate() {
-                    let (k_all, v_all) = cache.layers[self.layer].append(
-                        cache.len,
-                        &k.narrow(0, i, 1)?,
-                        &v.narrow(0, i, 1)?,
-                    )?;
-                    keys.push(k_all);
-                    values.push(v_all);
-                }
-                cpu_attention::decode(&q, &keys, &values)?
-            }
             (Some(caches), None) => {
-                let mut rows = Vec::with_capacity(b);
+                // Each sequence's new keys and values go into its cache; then attention over
+                // everything cached.
+                let mut cached = Vec::with_capacity(b);
                 for (i, cache) in caches.iter_mut().enumerate() {
                     let start = cache.len;
                     let (k_all, v_all) = cache.layers[self.layer].append(
@@ -354,12 +341,23 @@ impl Attention {
                         &k.narrow(0, i, 1)?,
                         &v.narrow(0, i, 1)?,
                     )?;
-                    let mask = (l > 1)
-                        .then(|| causal_mask(l, start, q.dtype(), q.device()))
-                        .transpose()?;
-                    rows.push(self.attend(&q.narrow(0, i, 1)?, &k_all, &v_all, mask.as_ref())?);
+                    cached.push((start, k_all, v_all));
                 }
-                Tensor::cat(&rows, 0)?
+                if l == 1 && q.device().is_cpu() && q.dtype() == DType::F32 {
+                    // One token per sequence on the CPU: one pass over every cache.
+                    let (keys, values): (Vec<_>, Vec<_>) =
+                        cached.into_iter().map(|(_, k, v)| (k, v)).unzip();
+                    cpu_attention::decode(&q, &keys, &values)?
+                } else {
+                    let mut rows = Vec::with_capacity(b);
+                    for (i, (start, k_all, v_all)) in cached.iter().enumerate() {
+                        let mask = (l > 1)
+                            .then(|| causal_mask(l, *start, q.dtype(), q.device()))
+                            .transpose()?;
+                        rows.push(self.attend(&q.narrow(0, i, 1)?, k_all, v_all, mask.as_ref())?);
+                    }
+                    Tensor::cat(&rows, 0)?
+                }
             }
         };
         // [B, H, L, hd] -> [B, L, H * hd]

@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Result, Shape, Tensor,
-    WithDType,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Error, Layout, Result, Shape, Storage,
+    Tensor, WithDType,
 };
 use rayon::prelude::*;
 
@@ -73,9 +73,8 @@ pub(crate) fn configure_cpu_threads() {
 /// time. Here buffers up to 32 MiB (glibc's largest threshold) come from the heap, and up to
 /// 1 GiB of freed heap is kept. Measured on train_bench (SmolLM2, 8 x 128, three iterations,
 /// three alternating runs each way): system time 9.2-10.8 -> 5.8-6.4 s, 72.5 -> 77.8 tok/s on
-/// average. The price is a process that keeps its
-/// peak heap (`ART_MALLOC_TUNING=0` leaves glibc's defaults). Called with
-/// [`configure_cpu_threads`]; glibc only.
+/// average. The price is a process that keeps its peak heap (`ART_MALLOC_TUNING=0` leaves
+/// glibc's defaults). Called with [`configure_cpu_threads`]; glibc only.
 fn configure_allocator() {
     if std::env::var("ART_MALLOC_TUNING").is_ok_and(|v| v == "0") {
         return;
@@ -146,9 +145,12 @@ fn exp_f32(x: f32) -> f32 {
 
 const LANES: usize = 8;
 
+// The three reductions below are inlined everywhere so that a caller compiled for wider
+// vectors (decode attention's AVX-512 copy) vectorizes them too.
+
 /// The maximum of `xs` (8 independent lanes, so that it vectorizes).
-#[inline]
-fn max_of<T: Real>(xs: &[T]) -> T {
+#[inline(always)]
+pub(crate) fn max_of<T: Real>(xs: &[T]) -> T {
     let mut acc = [T::neg_infinity(); LANES];
     let mut chunks = xs.chunks_exact(LANES);
     for c in &mut chunks {
@@ -165,8 +167,8 @@ fn max_of<T: Real>(xs: &[T]) -> T {
     m
 }
 
-#[inline]
-fn sum_of<T: Real>(xs: &[T]) -> T {
+#[inline(always)]
+pub(crate) fn sum_of<T: Real>(xs: &[T]) -> T {
     let mut acc = [T::zero(); LANES];
     let mut chunks = xs.chunks_exact(LANES);
     for c in &mut chunks {
@@ -178,8 +180,8 @@ fn sum_of<T: Real>(xs: &[T]) -> T {
     acc.iter().fold(tail, |s, &x| s + x)
 }
 
-#[inline]
-fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+#[inline(always)]
+pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     let mut acc = [T::zero(); LANES];
     let mut ca = a.chunks_exact(LANES);
     let mut cb = b.chunks_exact(LANES);
@@ -201,6 +203,26 @@ fn contiguous<'a, T: WithDType>(s: &'a CpuStorage, l: &Layout, what: &str) -> Re
     match l.contiguous_offsets() {
         Some((start, end)) => Ok(&data[start..end]),
         None => Err(Error::Msg(format!("{what}: the input must be contiguous"))),
+    }
+}
+
+/// The f32 values of a CPU storage, all of them (callers index from their layout's offset);
+/// `None` on another device or dtype.
+pub(crate) fn cpu_f32(storage: &Storage) -> Option<&[f32]> {
+    match storage {
+        Storage::Cpu(CpuStorage::F32(data)) => Some(data),
+        _ => None,
+    }
+}
+
+/// Runs `f` for every index in `0..n`, on rayon's threads when `parallel`. Waking them costs
+/// tens of microseconds, more than many of a decoding step's small jobs take, so those run on
+/// the calling thread.
+pub(crate) fn for_each_index(n: usize, parallel: bool, f: impl Fn(usize) + Send + Sync) {
+    if parallel {
+        (0..n).into_par_iter().for_each(f);
+    } else {
+        (0..n).for_each(f);
     }
 }
 

@@ -16,11 +16,9 @@
 //! rest is two fused multiply-adds per block and output.
 
 use std::arch::x86_64::*;
-use std::sync::OnceLock;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use half::f16;
-use rayon::prelude::*;
 
 /// Output rows per panel: one 512-bit register of i32/f32 lanes.
 const PANEL: usize = 16;
@@ -31,14 +29,12 @@ const MAX_ROWS: usize = 4;
 /// Multiply-adds from which a product is split across threads.
 const PARALLEL_MACS: usize = 8 << 20;
 
-/// Whether this CPU runs the packed kernels (checked once).
+/// Whether this CPU runs the packed kernels.
 pub(crate) fn available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vnni")
-    })
+    // The standard library caches what the CPU reported.
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,13 +156,7 @@ impl PackedWeight {
                 self.pair_all_rows(&input, first, count, dst_addr as *mut f32);
             }
         };
-        // Waking rayon's workers costs tens of microseconds: small products (most of a decoding
-        // step's) run on the calling thread.
-        if m * self.n * self.k >= PARALLEL_MACS {
-            (0..pairs).into_par_iter().for_each(run);
-        } else {
-            (0..pairs).for_each(run);
-        }
+        super::ops::for_each_index(pairs, m * self.n * self.k >= PARALLEL_MACS, run);
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]

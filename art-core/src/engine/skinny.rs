@@ -8,9 +8,6 @@
 //! serves four multiply-adds.
 
 use std::arch::x86_64::*;
-use std::sync::OnceLock;
-
-use rayon::prelude::*;
 
 /// Rows of `x` up to which this is used. SmolLM2's dense decoding at batch 64 ran 1.8x faster
 /// than with gemm (182 vs 99 tok/s); larger products are gemm's ground.
@@ -23,8 +20,8 @@ const TILE_M: usize = 4;
 const PARALLEL_MACS: usize = 1 << 20;
 
 pub(crate) fn available() -> bool {
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    // The standard library caches what the CPU reported.
+    is_x86_feature_detected!("avx512f")
 }
 
 /// `dst[m, n] = x[m, k] w[n, k]^T`. Call only when [`available`].
@@ -56,11 +53,7 @@ pub(crate) fn matmul(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, dst: &m
             row += rows;
         }
     };
-    if m * n * k >= PARALLEL_MACS {
-        (0..groups).into_par_iter().for_each(run);
-    } else {
-        (0..groups).for_each(run);
-    }
+    super::ops::for_each_index(groups, m * n * k >= PARALLEL_MACS, run);
 }
 
 /// Outputs `row..row + R` x `first..first + count` (`count` at most 4), over all of `k`.
