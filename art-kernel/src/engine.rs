@@ -48,6 +48,7 @@ impl EvcxrEngine {
         }
         let (eval, outputs) = EvalContext::with_subprocess_command(command)
             .map_err(|e| anyhow!("cannot start the Rust evaluator: {e}"))?;
+        eprintln!("art-kernel: evaluator started in {:.1?}", started.elapsed());
         let context = CommandContext::with_eval_context(eval);
         let control = Arc::new(Control {
             executing: AtomicBool::new(false),

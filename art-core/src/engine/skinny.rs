@@ -1,5 +1,5 @@
 //! `y = x W^T` for a few rows `x` (a decoding step) and a dense f32 weight `W` `[n, k]`, on
-//! x86-64 CPUs with AVX-512.
+//! x86-64 CPUs with AVX-512 or AVX2 and FMA.
 //!
 //! Why: candle hands this product to gemm, which first repacks all of `W^T` for its
 //! microkernels, on every call. With one to a few dozen rows that repacking is most of the work
@@ -12,42 +12,83 @@ use std::arch::x86_64::*;
 /// Rows of `x` up to which this is used. SmolLM2's dense decoding at batch 64 ran 1.8x faster
 /// than with gemm (182 vs 99 tok/s); larger products are gemm's ground.
 pub(crate) const MAX_ROWS: usize = 64;
-/// Weight rows per tile.
-const TILE_N: usize = 4;
 /// Input rows per tile.
 const TILE_M: usize = 4;
+/// Weight rows per tile with AVX-512 (16 accumulators of its 32 registers).
+const TILE_N_AVX512: usize = 4;
+/// Weight rows per tile with AVX2: 4 x 3 accumulators, 3 weight vectors and an input vector fill
+/// its 16 registers exactly.
+const TILE_N_AVX2: usize = 3;
 /// Multiply-adds from which a product is split across threads.
 const PARALLEL_MACS: usize = 1 << 20;
 
-pub(crate) fn available() -> bool {
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    Avx512,
+    Avx2,
+}
+
+fn isa() -> Option<Isa> {
     // The standard library caches what the CPU reported.
-    is_x86_feature_detected!("avx512f")
+    if is_x86_feature_detected!("avx512f") {
+        Some(Isa::Avx512)
+    } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        Some(Isa::Avx2)
+    } else {
+        None
+    }
+}
+
+pub(crate) fn available() -> bool {
+    isa().is_some()
 }
 
 /// `dst[m, n] = x[m, k] w[n, k]^T`. Call only when [`available`].
 pub(crate) fn matmul(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, dst: &mut [f32]) {
-    assert!(available(), "skinny matmul without AVX-512");
+    let isa = isa().expect("skinny matmul without AVX-512 or AVX2");
+    matmul_with(isa, x, w, m, n, k, dst)
+}
+
+/// [`matmul`] with the given instruction set, which the caller checked this CPU has.
+fn matmul_with(isa: Isa, x: &[f32], w: &[f32], m: usize, n: usize, k: usize, dst: &mut [f32]) {
     assert_eq!(x.len(), m * k, "skinny matmul: x is not [m, k]");
     assert_eq!(w.len(), n * k, "skinny matmul: w is not [n, k]");
     assert_eq!(dst.len(), m * n, "skinny matmul: dst is not [m, n]");
     let dst_addr = dst.as_mut_ptr() as usize;
-    let groups = n.div_ceil(TILE_N);
+    let tile_n = match isa {
+        Isa::Avx512 => TILE_N_AVX512,
+        Isa::Avx2 => TILE_N_AVX2,
+    };
+    let groups = n.div_ceil(tile_n);
     let run = |group: usize| {
-        let first = group * TILE_N;
-        let count = (n - first).min(TILE_N);
+        let first = group * tile_n;
+        let count = (n - first).min(tile_n);
         let mut row = 0;
         while row < m {
             let rows = (m - row).min(TILE_M);
-            // SAFETY: AVX-512F checked above; the tile's reads are inside `x` and `w` and its
-            // writes inside `dst` (sizes asserted), and no other group writes columns
-            // `first..first + count`.
+            // SAFETY: the instruction set was detected above; the tile's reads are inside `x`
+            // and `w` and its writes inside `dst` (sizes asserted), and no other group writes
+            // columns `first..first + count`.
             unsafe {
-                let dst = dst_addr as *mut f32;
-                match rows {
-                    4 => tile::<4>(x, w, k, n, row, first, count, dst),
-                    3 => tile::<3>(x, w, k, n, row, first, count, dst),
-                    2 => tile::<2>(x, w, k, n, row, first, count, dst),
-                    _ => tile::<1>(x, w, k, n, row, first, count, dst),
+                let at = Tile {
+                    x,
+                    w,
+                    k,
+                    n,
+                    row,
+                    first,
+                    count,
+                    dst: dst_addr as *mut f32,
+                };
+                match (isa, rows) {
+                    (Isa::Avx512, 4) => at.avx512::<4>(),
+                    (Isa::Avx512, 3) => at.avx512::<3>(),
+                    (Isa::Avx512, 2) => at.avx512::<2>(),
+                    (Isa::Avx512, _) => at.avx512::<1>(),
+                    (Isa::Avx2, 4) => at.avx2::<4>(),
+                    (Isa::Avx2, 3) => at.avx2::<3>(),
+                    (Isa::Avx2, 2) => at.avx2::<2>(),
+                    (Isa::Avx2, _) => at.avx2::<1>(),
                 }
             }
             row += rows;
@@ -56,61 +97,143 @@ pub(crate) fn matmul(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, dst: &m
     super::ops::for_each_index(groups, m * n * k >= PARALLEL_MACS, run);
 }
 
-/// Outputs `row..row + R` x `first..first + count` (`count` at most 4), over all of `k`.
-// Indices, not iterators: `r` and `j` address a register tile in several arrays at once.
-#[allow(clippy::needless_range_loop, clippy::too_many_arguments)]
-#[target_feature(enable = "avx512f")]
-unsafe fn tile<const R: usize>(
-    x: &[f32],
-    w: &[f32],
+/// One register tile: outputs `row..row + R` x `first..first + count` over all of `k`.
+struct Tile<'a> {
+    x: &'a [f32],
+    w: &'a [f32],
     k: usize,
     n: usize,
     row: usize,
     first: usize,
+    /// Weight rows in this tile (at most the instruction set's tile width).
     count: usize,
     dst: *mut f32,
-) {
-    let mut acc = [[_mm512_setzero_ps(); TILE_N]; R];
-    let x_rows: [*const f32; R] = std::array::from_fn(|r| x.as_ptr().add((row + r) * k));
-    // Weight rows past `count` read the tile's first row again (valid memory), not stored.
-    let w_rows: [*const f32; TILE_N] =
-        std::array::from_fn(|j| w.as_ptr().add((first + if j < count { j } else { 0 }) * k));
-    let mut at = 0;
-    while at < k {
-        let mask: __mmask16 = if k - at >= 16 {
-            0xffff
-        } else {
-            (1u16 << (k - at)) - 1
-        };
-        let ws: [__m512; TILE_N] =
-            std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, w_rows[j].add(at)));
+}
+
+// Indices, not iterators: `r` and `j` address a register tile in several arrays at once.
+#[allow(clippy::needless_range_loop)]
+impl Tile<'_> {
+    /// The tile's input rows and `N` weight rows; weight rows past `count` read the tile's first
+    /// row again (valid memory), their sums are not stored.
+    unsafe fn rows<const R: usize, const N: usize>(&self) -> ([*const f32; R], [*const f32; N]) {
+        let x_rows = std::array::from_fn(|r| self.x.as_ptr().add((self.row + r) * self.k));
+        let w_rows = std::array::from_fn(|j| {
+            let j = if j < self.count { j } else { 0 };
+            self.w.as_ptr().add((self.first + j) * self.k)
+        });
+        (x_rows, w_rows)
+    }
+
+    unsafe fn store<const R: usize, const N: usize>(&self, sums: impl Fn(usize, usize) -> f32) {
         for r in 0..R {
-            let xv = _mm512_maskz_loadu_ps(mask, x_rows[r].add(at));
-            for j in 0..TILE_N {
-                acc[r][j] = _mm512_fmadd_ps(xv, ws[j], acc[r][j]);
+            for j in 0..self.count.min(N) {
+                *self.dst.add((self.row + r) * self.n + self.first + j) = sums(r, j);
             }
         }
-        at += 16;
     }
-    for r in 0..R {
-        for j in 0..count {
-            *dst.add((row + r) * n + first + j) = _mm512_reduce_add_ps(acc[r][j]);
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn avx512<const R: usize>(&self) {
+        const N: usize = TILE_N_AVX512;
+        let k = self.k;
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        let (x_rows, w_rows) = self.rows::<R, N>();
+        let mut at = 0;
+        while at < k {
+            let mask: __mmask16 = if k - at >= 16 {
+                0xffff
+            } else {
+                (1u16 << (k - at)) - 1
+            };
+            let ws: [__m512; N] =
+                std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, w_rows[j].add(at)));
+            for r in 0..R {
+                let xv = _mm512_maskz_loadu_ps(mask, x_rows[r].add(at));
+                for j in 0..N {
+                    acc[r][j] = _mm512_fmadd_ps(xv, ws[j], acc[r][j]);
+                }
+            }
+            at += 16;
         }
+        self.store::<R, N>(|r, j| _mm512_reduce_add_ps(acc[r][j]));
     }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2<const R: usize>(&self) {
+        const N: usize = TILE_N_AVX2;
+        let k = self.k;
+        let mut acc = [[_mm256_setzero_ps(); N]; R];
+        let (x_rows, w_rows) = self.rows::<R, N>();
+        let whole = k - k % 8;
+        let mut at = 0;
+        while at < whole {
+            let ws: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(w_rows[j].add(at)));
+            for r in 0..R {
+                let xv = _mm256_loadu_ps(x_rows[r].add(at));
+                for j in 0..N {
+                    acc[r][j] = _mm256_fmadd_ps(xv, ws[j], acc[r][j]);
+                }
+            }
+            at += 8;
+        }
+        if at < k {
+            // Lanes below the tail's length load, the others read as zero.
+            let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((k - at) as i32), lanes);
+            let ws: [__m256; N] =
+                std::array::from_fn(|j| _mm256_maskload_ps(w_rows[j].add(at), mask));
+            for r in 0..R {
+                let xv = _mm256_maskload_ps(x_rows[r].add(at), mask);
+                for j in 0..N {
+                    acc[r][j] = _mm256_fmadd_ps(xv, ws[j], acc[r][j]);
+                }
+            }
+        }
+        self.store::<R, N>(|r, j| horizontal_sum(acc[r][j]));
+    }
+}
+
+#[target_feature(enable = "avx2")]
+unsafe fn horizontal_sum(v: __m256) -> f32 {
+    let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+    _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Every instruction set this CPU has (AVX2 is also tested where AVX-512 is used).
+    fn isas() -> Vec<Isa> {
+        let mut found = Vec::new();
+        if is_x86_feature_detected!("avx512f") {
+            found.push(Isa::Avx512);
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            found.push(Isa::Avx2);
+        }
+        found
+    }
+
     #[test]
     fn matches_a_plain_product() {
-        if !available() {
-            eprintln!("no AVX-512 on this CPU: skinny matmul not tested");
+        if isas().is_empty() {
+            eprintln!("no AVX-512 or AVX2 on this CPU: skinny matmul not tested");
             return;
         }
         // Tiles whole and partial in every direction, k with and without a tail.
-        for (m, n, k) in [(1, 4, 16), (3, 7, 40), (5, 9, 576), (9, 64, 100)] {
+        let shapes = [
+            (1, 4, 16),
+            (3, 7, 40),
+            (5, 9, 576),
+            (9, 64, 100),
+            (4, 5, 13),
+        ];
+        for (isa, (m, n, k)) in isas()
+            .into_iter()
+            .flat_map(|isa| shapes.map(|shape| (isa, shape)))
+        {
             let x: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
                 .collect();
@@ -118,7 +241,7 @@ mod tests {
                 .map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0)
                 .collect();
             let mut ours = vec![0f32; m * n];
-            matmul(&x, &w, m, n, k, &mut ours);
+            matmul_with(isa, &x, &w, m, n, k, &mut ours);
             for r in 0..m {
                 for j in 0..n {
                     let exact: f64 = (0..k)
