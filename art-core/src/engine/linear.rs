@@ -184,7 +184,7 @@ impl Linear {
     }
 }
 
-/// `x W^T` for a few rows of f32 on a CPU with AVX-512 (a decoding step), with our kernel
+/// `x W^T` for a few rows of f32 on a CPU with AVX-512 or AVX2 (a decoding step), with our kernel
 /// instead of gemm, which would repack all of `W` first; `None` where that does not apply.
 fn skinny_forward(x: &Tensor, weight: &Tensor) -> Result<Option<Tensor>> {
     #[cfg(target_arch = "x86_64")]
