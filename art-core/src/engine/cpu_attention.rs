@@ -9,7 +9,7 @@
 use candle_core::{DType, Tensor};
 
 use super::error::{EngineError, Result};
-use super::ops::{self, dot, max_of, sum_of, Real};
+use super::ops::{self, dot, max_of, sum_of, Real, Simd};
 
 /// Multiply-adds (of each half, scores and values) from which the batch is split across threads.
 const PARALLEL_WORK: usize = 1 << 20;
@@ -90,30 +90,6 @@ impl CacheView<'_> {
     /// Position `t` of head `g`.
     fn row(&self, g: usize, t: usize, hd: usize) -> &[f32] {
         &self.data[g * self.head_stride + t * hd..][..hd]
-    }
-}
-
-/// The widest vector instructions this CPU has, for the attention loops (compiled once per
-/// level; LLVM vectorizes the same source to each).
-#[derive(Clone, Copy)]
-enum Simd {
-    Avx512,
-    Avx2,
-    Baseline,
-}
-
-impl Simd {
-    fn detect() -> Simd {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                return Simd::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Simd::Avx2;
-            }
-        }
-        Simd::Baseline
     }
 }
 

@@ -148,6 +148,30 @@ const LANES: usize = 8;
 // The three reductions below are inlined everywhere so that a caller compiled for wider
 // vectors (decode attention's AVX-512 copy) vectorizes them too.
 
+/// The widest vector instructions this CPU has, for the CPU kernels that are compiled once per
+/// level (decode attention, skinny products).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Simd {
+    Avx512,
+    Avx2,
+    Baseline,
+}
+
+impl Simd {
+    pub(crate) fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Simd::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Baseline
+    }
+}
+
 /// The maximum of `xs` (8 independent lanes, so that it vectorizes).
 #[inline(always)]
 pub(crate) fn max_of<T: Real>(xs: &[T]) -> T {

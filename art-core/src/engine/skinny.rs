@@ -4,10 +4,12 @@
 //! Why: candle hands this product to gemm, which first repacks all of `W^T` for its
 //! microkernels, on every call. With one to a few dozen rows that repacking is most of the work
 //! (two thirds of SmolLM2's dense decoding step at batch 8). Here each output is a dot product
-//! of contiguous rows, computed in tiles of 4 input rows x 4 weight rows so that every load
-//! serves four multiply-adds.
+//! of contiguous rows, computed in tiles of 4 input rows x 4 weight rows (AVX2: x 3, for its 16
+//! registers) so that every weight load serves four multiply-adds.
 
 use std::arch::x86_64::*;
+
+use super::ops::Simd;
 
 /// Rows of `x` up to which this is used. SmolLM2's dense decoding at batch 64 ran 1.8x faster
 /// than with gemm (182 vs 99 tok/s); larger products are gemm's ground.
@@ -22,42 +24,26 @@ const TILE_N_AVX2: usize = 3;
 /// Multiply-adds from which a product is split across threads.
 const PARALLEL_MACS: usize = 1 << 20;
 
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Isa {
-    Avx512,
-    Avx2,
-}
-
-fn isa() -> Option<Isa> {
-    // The standard library caches what the CPU reported.
-    if is_x86_feature_detected!("avx512f") {
-        Some(Isa::Avx512)
-    } else if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        Some(Isa::Avx2)
-    } else {
-        None
-    }
-}
-
 pub(crate) fn available() -> bool {
-    isa().is_some()
+    Simd::detect() != Simd::Baseline
 }
 
 /// `dst[m, n] = x[m, k] w[n, k]^T`. Call only when [`available`].
 pub(crate) fn matmul(x: &[f32], w: &[f32], m: usize, n: usize, k: usize, dst: &mut [f32]) {
-    let isa = isa().expect("skinny matmul without AVX-512 or AVX2");
-    matmul_with(isa, x, w, m, n, k, dst)
+    matmul_with(Simd::detect(), x, w, m, n, k, dst)
 }
 
-/// [`matmul`] with the given instruction set, which the caller checked this CPU has.
-fn matmul_with(isa: Isa, x: &[f32], w: &[f32], m: usize, n: usize, k: usize, dst: &mut [f32]) {
+/// [`matmul`] with the given instruction set (AVX-512 or AVX2), which this CPU must have;
+/// panics on [`Simd::Baseline`].
+fn matmul_with(isa: Simd, x: &[f32], w: &[f32], m: usize, n: usize, k: usize, dst: &mut [f32]) {
     assert_eq!(x.len(), m * k, "skinny matmul: x is not [m, k]");
     assert_eq!(w.len(), n * k, "skinny matmul: w is not [n, k]");
     assert_eq!(dst.len(), m * n, "skinny matmul: dst is not [m, n]");
     let dst_addr = dst.as_mut_ptr() as usize;
     let tile_n = match isa {
-        Isa::Avx512 => TILE_N_AVX512,
-        Isa::Avx2 => TILE_N_AVX2,
+        Simd::Avx512 => TILE_N_AVX512,
+        Simd::Avx2 => TILE_N_AVX2,
+        Simd::Baseline => panic!("skinny matmul needs AVX-512 or AVX2"),
     };
     let groups = n.div_ceil(tile_n);
     let run = |group: usize| {
@@ -81,14 +67,14 @@ fn matmul_with(isa: Isa, x: &[f32], w: &[f32], m: usize, n: usize, k: usize, dst
                     dst: dst_addr as *mut f32,
                 };
                 match (isa, rows) {
-                    (Isa::Avx512, 4) => at.avx512::<4>(),
-                    (Isa::Avx512, 3) => at.avx512::<3>(),
-                    (Isa::Avx512, 2) => at.avx512::<2>(),
-                    (Isa::Avx512, _) => at.avx512::<1>(),
-                    (Isa::Avx2, 4) => at.avx2::<4>(),
-                    (Isa::Avx2, 3) => at.avx2::<3>(),
-                    (Isa::Avx2, 2) => at.avx2::<2>(),
-                    (Isa::Avx2, _) => at.avx2::<1>(),
+                    (Simd::Avx512, 4) => at.avx512::<4>(),
+                    (Simd::Avx512, 3) => at.avx512::<3>(),
+                    (Simd::Avx512, 2) => at.avx512::<2>(),
+                    (Simd::Avx512, _) => at.avx512::<1>(),
+                    (_, 4) => at.avx2::<4>(),
+                    (_, 3) => at.avx2::<3>(),
+                    (_, 2) => at.avx2::<2>(),
+                    (_, _) => at.avx2::<1>(),
                 }
             }
             row += rows;
@@ -177,7 +163,8 @@ impl Tile<'_> {
             at += 8;
         }
         if at < k {
-            // Lanes below the tail's length load, the others read as zero.
+            // The tail with masked loads (the main loop's plain loads are cheaper): lanes below
+            // the tail's length load, the others read as zero.
             let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
             let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((k - at) as i32), lanes);
             let ws: [__m256; N] =
@@ -204,16 +191,14 @@ unsafe fn horizontal_sum(v: __m256) -> f32 {
 mod tests {
     use super::*;
 
-    /// Every instruction set this CPU has (AVX2 is also tested where AVX-512 is used).
-    fn isas() -> Vec<Isa> {
-        let mut found = Vec::new();
-        if is_x86_feature_detected!("avx512f") {
-            found.push(Isa::Avx512);
+    /// Every instruction set this CPU has (AVX2 is also tested where AVX-512 is used: every
+    /// AVX-512 CPU has AVX2 and FMA).
+    fn isas() -> Vec<Simd> {
+        match Simd::detect() {
+            Simd::Avx512 => vec![Simd::Avx512, Simd::Avx2],
+            Simd::Avx2 => vec![Simd::Avx2],
+            Simd::Baseline => vec![],
         }
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            found.push(Isa::Avx2);
-        }
-        found
     }
 
     #[test]
