@@ -117,8 +117,12 @@ pub(crate) fn attend(
     Err(candle_core::Error::Msg("built without the cuda feature".into()).into())
 }
 
+/// The CUDA C that every NVRTC module here starts with: bf16 as its bits, `ld` and `st`
+/// converting f32 and bf16 to and from f32 (round to nearest even).
 #[cfg(feature = "cuda")]
-const SOURCE: &str = r#"
+macro_rules! cuda_prelude {
+    () => {
+        r#"
 typedef unsigned short bf16_t;
 __device__ __forceinline__ float ld(const float* p) { return *p; }
 __device__ __forceinline__ float ld(const bf16_t* p) { return __uint_as_float(((unsigned)*p) << 16); }
@@ -128,6 +132,16 @@ __device__ __forceinline__ void st(bf16_t* p, float v) {
   u += 0x7fffu + ((u >> 16) & 1u);
   *p = (bf16_t)(u >> 16);
 }
+"#
+    };
+}
+#[cfg(feature = "cuda")]
+pub(crate) use cuda_prelude;
+
+#[cfg(feature = "cuda")]
+const SOURCE: &str = concat!(
+    cuda_prelude!(),
+    r#"
 
 __device__ float block_max(float x, float* red) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
@@ -235,7 +249,8 @@ extern "C" __global__ void art_decode_attn_f32(const float* q, float* out,
     const long long* table, int layer, int layers, int B, int H, int kv, int hd) {
   attn_impl(q, out, table, layer, layers, B, H, kv, hd);
 }
-"#;
+"#
+);
 
 #[cfg(feature = "cuda")]
 const MODULE: &str = "art_decode";

@@ -23,6 +23,8 @@ mod config;
 mod constraint;
 mod cpu_attention;
 mod cuda_decode;
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda_ops;
 mod cuda_sample;
 mod error;
 mod gpu;
@@ -59,7 +61,7 @@ pub use gpu::{cuda_device, gpu_memory, PeakMemory};
 pub use linear::Linear;
 pub use load::{load, LoadOptions, LoadedModel, ModelSource};
 pub use lora::{LoraAdapter, LoraPair, Proj};
-pub use model::{log_softmax, Forward, KvCache, Model};
+pub use model::{log_softmax, Forward, KvCache, LayerInputs, Model};
 pub use ops::set_fused_ops;
 pub use sampler::{SampledToken, Sampler, SamplingParams};
 pub use scheduler::{

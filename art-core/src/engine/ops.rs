@@ -6,8 +6,8 @@
 //! over the attention scores forward and more backward, the log-softmax over a 49k vocabulary
 //! ten passes over hundreds of megabytes), and its fused kernels have no backward. Here each
 //! is one parallel pass over rows (rayon), written for f32 and f64 (the trainer's gradient check
-//! runs in f64). Other devices and dtypes keep the composite candle paths; callers check
-//! [`supported`] first.
+//! runs in f64). On CUDA the same ops run as CUDA kernels ([`super::cuda_ops`], f32 and bf16).
+//! Other devices and dtypes keep the composite candle paths; callers check [`supported`] first.
 
 use std::sync::Arc;
 
@@ -20,10 +20,41 @@ use rayon::prelude::*;
 
 use super::switch::EnvSwitch;
 
-/// Whether the fused kernels run for tensors like `t` (CPU, f32 or f64, and not switched off
-/// with [`set_fused_ops`] or `ART_FUSED_OPS=0`).
+/// Whether the fused kernels run for tensors like `t` (CPU f32 or f64, CUDA f32 or bf16, and not
+/// switched off with [`set_fused_ops`] or `ART_FUSED_OPS=0`).
 pub(crate) fn supported(t: &Tensor) -> bool {
-    fused_ops() && t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+    let dtype = t.dtype();
+    fused_ops()
+        && match t.device() {
+            candle_core::Device::Cpu => matches!(dtype, DType::F32 | DType::F64),
+            candle_core::Device::Cuda(_) => {
+                cfg!(feature = "cuda") && matches!(dtype, DType::F32 | DType::BF16)
+            }
+            _ => false,
+        }
+}
+
+#[cfg(feature = "cuda")]
+use super::cuda_ops::{int, Launch, ROW_THREADS};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
+
+/// Blocks of `ROW_THREADS` threads for `n` elements, one per thread.
+#[cfg(feature = "cuda")]
+fn blocks_for(n: usize, what: &str) -> Result<u32> {
+    Ok(int(n.div_ceil(ROW_THREADS as usize), what)? as u32)
+}
+
+/// Blocks for `n` elements of `dtype` taken 16 bytes per thread (the element-wise kernels).
+#[cfg(feature = "cuda")]
+fn chunk_blocks(n: usize, dtype: DType, what: &str) -> Result<u32> {
+    blocks_for(n.div_ceil(16 / dtype.size_in_bytes()), what)
+}
+
+/// Blocks for `rows` rows taken one warp each.
+#[cfg(feature = "cuda")]
+fn warp_row_blocks(rows: usize, what: &str) -> Result<u32> {
+    Ok(int(rows.div_ceil(ROW_THREADS as usize / 32), what)? as u32)
 }
 
 static FUSED: EnvSwitch = EnvSwitch::new("ART_FUSED_OPS");
@@ -272,6 +303,19 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> 
     x.apply_op2(&weight, RmsNorm { eps })
 }
 
+/// The gradient of [`rms_norm`] with respect to `x`, given the gradient `grad` of its output
+/// (for a hand-written backward; no graph).
+pub(crate) fn rms_norm_grad(
+    x: &Tensor,
+    weight: &Tensor,
+    grad: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
+    let weight = weight.to_dtype(x.dtype())?.contiguous()?;
+    x.contiguous()?
+        .apply_op3_no_bwd(&weight, &grad.contiguous()?, &RmsNormGrad { eps })
+}
+
 struct RmsNorm {
     eps: f64,
 }
@@ -322,6 +366,34 @@ impl CustomOp2 for RmsNorm {
             )),
             d => return Err(unsupported("rms norm", d)),
         };
+        Ok((out, shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let shape = xl.shape().clone();
+        let d = *shape.dims().last().unwrap_or(&0);
+        if wl.shape().dims() != [d] {
+            return Err(Error::Msg("rms norm: weight must be [hidden]".into()));
+        }
+        let rows = shape.elem_count() / d.max(1);
+        let out = Launch {
+            name: "rms_norm",
+            inputs: &[(xs, xl), (ws, wl)],
+            targets: None,
+            out_len: shape.elem_count(),
+            ints: [int(d, "rms norm")?, 0, 0, 0],
+            float: self.eps as f32,
+            blocks: int(rows, "rms norm")? as u32,
+            threads: ROW_THREADS,
+        }
+        .run()?;
         Ok((out, shape))
     }
 
@@ -397,6 +469,33 @@ impl CustomOp3 for RmsNormGrad {
         };
         Ok((out, xl.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        ws: &CudaStorage,
+        wl: &Layout,
+        gs: &CudaStorage,
+        gl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let shape = xl.shape().clone();
+        let d = wl.shape().elem_count();
+        let rows = shape.elem_count() / d.max(1);
+        let out = Launch {
+            name: "rms_norm_grad",
+            inputs: &[(xs, xl), (ws, wl), (gs, gl)],
+            targets: None,
+            out_len: shape.elem_count(),
+            ints: [int(d, "rms norm backward")?, 0, 0, 0],
+            float: self.eps as f32,
+            blocks: int(rows, "rms norm backward")? as u32,
+            threads: ROW_THREADS,
+        }
+        .run()?;
+        Ok((out, shape))
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -410,6 +509,15 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         &cos.to_dtype(x.dtype())?.contiguous()?,
         &sin.to_dtype(x.dtype())?.contiguous()?,
         Rope { inverse: false },
+    )
+}
+
+/// The backward of [`rope`]: `grad` rotated back by each position's angle (no graph).
+pub(crate) fn rope_grad(grad: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    grad.contiguous()?.apply_op3_no_bwd(
+        &cos.to_dtype(grad.dtype())?.contiguous()?,
+        &sin.to_dtype(grad.dtype())?.contiguous()?,
+        &Rope { inverse: true },
     )
 }
 
@@ -485,6 +593,47 @@ impl CustomOp3 for Rope {
             )?),
             d => return Err(unsupported("rope", d)),
         };
+        Ok((out, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        cs: &CudaStorage,
+        cl: &Layout,
+        ss: &CudaStorage,
+        sl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let [b, h, l, hd] = *xl.shape().dims() else {
+            return Err(Error::Msg("rope: x must be [B, H, L, head_dim]".into()));
+        };
+        let table = b * l * (hd / 2);
+        if hd % 2 != 0 || cl.shape().elem_count() != table || sl.shape().elem_count() != table {
+            return Err(Error::Msg(format!(
+                "rope: tables of {} values do not fit x {:?}",
+                cl.shape().elem_count(),
+                xl.shape()
+            )));
+        }
+        let pairs = b * h * l * (hd / 2);
+        let out = Launch {
+            name: "rope",
+            inputs: &[(xs, xl), (cs, cl), (ss, sl)],
+            targets: None,
+            out_len: xl.shape().elem_count(),
+            ints: [
+                int(h, "rope")?,
+                int(l, "rope")?,
+                int(hd, "rope")?,
+                int(pairs, "rope")?,
+            ],
+            float: if self.inverse { -1.0 } else { 1.0 },
+            blocks: blocks_for(pairs, "rope")?,
+            threads: ROW_THREADS,
+        }
+        .run()?;
         Ok((out, xl.shape().clone()))
     }
 
@@ -581,11 +730,56 @@ impl CustomOp1 for CausalSoftmax {
         Ok((out, l.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (rows_per_block, t) = match l.shape().dims() {
+            [.., r, t] => (*r, *t),
+            _ => {
+                return Err(Error::Msg(
+                    "causal softmax: scores must be [..., R, T]".into(),
+                ))
+            }
+        };
+        if self.queries == 0 || rows_per_block % self.queries != 0 {
+            return Err(Error::Msg(format!(
+                "causal softmax: {rows_per_block} rows are not a multiple of {} queries",
+                self.queries
+            )));
+        }
+        let what = "causal softmax";
+        let rows = l.shape().elem_count() / t.max(1);
+        let out = Launch {
+            name: "causal_softmax",
+            inputs: &[(s, l)],
+            targets: None,
+            out_len: l.shape().elem_count(),
+            ints: [
+                int(t, what)?,
+                int(rows, what)?,
+                int(self.queries, what)?,
+                int(self.offset, what)?,
+            ],
+            float: 0.0,
+            blocks: warp_row_blocks(rows, what)?,
+            threads: ROW_THREADS,
+        }
+        .run()?;
+        Ok((out, l.shape().clone()))
+    }
+
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(
             res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad)?,
         ))
     }
+}
+
+/// The backward of a softmax over the last dimension: `probs * (grad - sum(probs grad))` per
+/// row (no graph).
+pub(crate) fn softmax_grad(probs: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    probs
+        .contiguous()?
+        .apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad)
 }
 
 /// `dx = p * (g - sum(p g))` per row.
@@ -636,6 +830,357 @@ impl CustomOp2 for SoftmaxGrad {
         };
         Ok((out, pl.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        ps: &CudaStorage,
+        pl: &Layout,
+        gs: &CudaStorage,
+        gl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let t = *pl.shape().dims().last().unwrap_or(&1);
+        let what = "softmax backward";
+        let rows = pl.shape().elem_count() / t.max(1);
+        let out = Launch {
+            name: "softmax_grad",
+            inputs: &[(ps, pl), (gs, gl)],
+            targets: None,
+            out_len: pl.shape().elem_count(),
+            ints: [int(t, what)?, int(rows, what)?, 0, 0],
+            float: 0.0,
+            blocks: warp_row_blocks(rows, what)?,
+            threads: ROW_THREADS,
+        }
+        .run()?;
+        Ok((out, pl.shape().clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU: silu(gate) * up
+
+/// `silu(gate) * up`, element-wise, in one pass (no graph: the hand-written backward's forward).
+pub(crate) fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gate.contiguous()?
+        .apply_op2_no_bwd(&up.contiguous()?, &SiluMul)
+}
+
+/// The gradients of `silu(gate) * up` given `grad`, the gradient of its output:
+/// `(d gate, d up)`, in one pass instead of candle's nine.
+pub(crate) fn silu_mul_grad(gate: &Tensor, up: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+    let both = gate.contiguous()?.apply_op3_no_bwd(
+        &up.contiguous()?,
+        &grad.contiguous()?,
+        &SiluMulGrad,
+    )?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
+struct SiluMul;
+
+fn sigmoid<T: Real>(x: T) -> T {
+    T::one() / (T::one() + (-x).exp())
+}
+
+impl CustomOp2 for SiluMul {
+    fn name(&self) -> &'static str {
+        "art-silu-mul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        us: &CpuStorage,
+        ul: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
+            g.par_iter()
+                .with_min_len(16 * 1024)
+                .zip(u.par_iter())
+                .map(|(&g, &u)| g * sigmoid(g) * u)
+                .collect()
+        }
+        let what = "silu mul";
+        let out = match gs.dtype() {
+            DType::F32 => CpuStorage::F32(run::<f32>(
+                contiguous(gs, gl, what)?,
+                contiguous(us, ul, what)?,
+            )),
+            DType::F64 => CpuStorage::F64(run::<f64>(
+                contiguous(gs, gl, what)?,
+                contiguous(us, ul, what)?,
+            )),
+            d => return Err(unsupported(what, d)),
+        };
+        Ok((out, gl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        gs: &CudaStorage,
+        gl: &Layout,
+        us: &CudaStorage,
+        ul: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let n = gl.shape().elem_count();
+        let out = Launch {
+            name: "silu_mul",
+            inputs: &[(gs, gl), (us, ul)],
+            targets: None,
+            out_len: n,
+            ints: [0, 0, 0, int(n, "silu mul")?],
+            float: 0.0,
+            blocks: chunk_blocks(n, gs.dtype(), "silu mul")?,
+            threads: ROW_THREADS,
+        }
+        .run()?;
+        Ok((out, gl.shape().clone()))
+    }
+}
+
+/// `[2, ...]`: `d gate = grad up silu'(gate)` with `silu'(g) = s (1 + g (1 - s))`, `s` the
+/// sigmoid, then `d up = grad silu(gate)`.
+struct SiluMulGrad;
+
+impl CustomOp3 for SiluMulGrad {
+    fn name(&self) -> &'static str {
+        "art-silu-mul-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        us: &CpuStorage,
+        ul: &Layout,
+        ds: &CpuStorage,
+        dl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Real>(g: &[T], u: &[T], d: &[T]) -> Vec<T> {
+            let mut out = vec![T::zero(); 2 * g.len()];
+            let (dg, du) = out.split_at_mut(g.len());
+            dg.par_iter_mut()
+                .with_min_len(16 * 1024)
+                .zip(du.par_iter_mut())
+                .zip(g.par_iter().zip(u.par_iter()).zip(d.par_iter()))
+                .for_each(|((dg, du), ((&g, &u), &d))| {
+                    let s = sigmoid(g);
+                    *dg = d * u * s * (T::one() + g * (T::one() - s));
+                    *du = d * g * s;
+                });
+            out
+        }
+        let what = "silu mul backward";
+        let out = match gs.dtype() {
+            DType::F32 => CpuStorage::F32(run::<f32>(
+                contiguous(gs, gl, what)?,
+                contiguous(us, ul, what)?,
+                contiguous(ds, dl, what)?,
+            )),
+            DType::F64 => CpuStorage::F64(run::<f64>(
+                contiguous(gs, gl, what)?,
+                contiguous(us, ul, what)?,
+                contiguous(ds, dl, what)?,
+            )),
+            d => return Err(unsupported(what, d)),
+        };
+        Ok((out, Shape::from(stacked(gl.shape()))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        gs: &CudaStorage,
+        gl: &Layout,
+        us: &CudaStorage,
+        ul: &Layout,
+        ds: &CudaStorage,
+        dl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let n = gl.shape().elem_count();
+        let what = "silu mul backward";
+        let out = Launch {
+            name: "silu_mul_grad",
+            inputs: &[(gs, gl), (us, ul), (ds, dl)],
+            targets: None,
+            out_len: 2 * n,
+            ints: [0, 0, 0, int(n, what)?],
+            float: 0.0,
+            blocks: chunk_blocks(n, gs.dtype(), what)?,
+            threads: ROW_THREADS,
+        }
+        .run()?;
+        Ok((out, Shape::from(stacked(gl.shape()))))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Addition
+
+/// `a + b`, where `b` has `a`'s shape or its trailing dimensions (a bias): one pass on CUDA
+/// for tensors without a graph, where candle's broadcasting add takes a strided path at a
+/// seventh of the card's bandwidth (and its plain add computes its strides per element);
+/// candle's add elsewhere.
+pub(crate) fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let fused = a.device().is_cuda()
+        && supported(a)
+        && !a.track_op()
+        && !b.track_op()
+        && a.dtype() == b.dtype()
+        && b.elem_count() > 0
+        && a.dims().ends_with(b.dims());
+    if !fused {
+        return a.broadcast_add(b);
+    }
+    a.contiguous()?.apply_op2_no_bwd(&b.contiguous()?, &Add)
+}
+
+struct Add;
+
+impl CustomOp2 for Add {
+    fn name(&self) -> &'static str {
+        "art-add"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Real>(x: &[T], b: &[T]) -> Vec<T> {
+            x.chunks(b.len())
+                .flat_map(|row| row.iter().zip(b).map(|(&x, &b)| x + b))
+                .collect()
+        }
+        let what = "add";
+        let out = match xs.dtype() {
+            DType::F32 => CpuStorage::F32(run::<f32>(
+                contiguous(xs, xl, what)?,
+                contiguous(bs, bl, what)?,
+            )),
+            DType::F64 => CpuStorage::F64(run::<f64>(
+                contiguous(xs, xl, what)?,
+                contiguous(bs, bl, what)?,
+            )),
+            d => return Err(unsupported(what, d)),
+        };
+        Ok((out, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        bs: &CudaStorage,
+        bl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (n, period) = (xl.shape().elem_count(), bl.shape().elem_count());
+        let what = "add";
+        if period == 0 || n % period != 0 {
+            return Err(Error::Msg(format!(
+                "{what}: {period} values do not repeat over {n}"
+            )));
+        }
+        let out = Launch {
+            name: "add",
+            inputs: &[(xs, xl), (bs, bl)],
+            targets: None,
+            out_len: n,
+            ints: [int(period, what)?, 0, 0, int(n, what)?],
+            float: 0.0,
+            blocks: chunk_blocks(n, xs.dtype(), what)?,
+            threads: ROW_THREADS,
+        }
+        .run()?;
+        Ok((out, xl.shape().clone()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Head/position swap
+
+/// `x` `[B, A, C, D]` as `[B, C, A, D]`, contiguous, without a graph: `transpose(1, 2)` and
+/// `contiguous()` in one pass (candle's strided copy computes 64-bit indices per element, at a
+/// tenth of the card's bandwidth).
+pub(crate) fn transpose12(x: &Tensor) -> Result<Tensor> {
+    if !supported(x) {
+        return x.transpose(1, 2)?.contiguous();
+    }
+    x.contiguous()?.apply_op1_no_bwd(&Transpose12)
+}
+
+struct Transpose12;
+
+impl CustomOp1 for Transpose12 {
+    fn name(&self) -> &'static str {
+        "art-transpose12"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        fn run<T: Copy + Send + Sync>(x: &[T], [_, a, c, d]: [usize; 4]) -> Vec<T> {
+            let mut out = Vec::with_capacity(x.len());
+            for batch in x.chunks(a * c * d) {
+                for ci in 0..c {
+                    for ai in 0..a {
+                        let start = (ai * c + ci) * d;
+                        out.extend_from_slice(&batch[start..start + d]);
+                    }
+                }
+            }
+            out
+        }
+        let dims = four_dims(l.shape())?;
+        let what = "transpose";
+        let out = match s.dtype() {
+            DType::F32 => CpuStorage::F32(run(contiguous(s, l, what)?, dims)),
+            DType::F64 => CpuStorage::F64(run(contiguous(s, l, what)?, dims)),
+            d => return Err(unsupported(what, d)),
+        };
+        Ok((out, swapped(dims)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let dims @ [_, a, c, d] = four_dims(l.shape())?;
+        let n = l.shape().elem_count();
+        let what = "transpose";
+        let out = Launch {
+            name: "transpose12",
+            inputs: &[(s, l)],
+            targets: None,
+            out_len: n,
+            ints: [int(a, what)?, int(c, what)?, int(d, what)?, int(n, what)?],
+            float: 0.0,
+            blocks: chunk_blocks(n, s.dtype(), what)?,
+            threads: ROW_THREADS,
+        }
+        .run()?;
+        Ok((out, swapped(dims)))
+    }
+}
+
+fn four_dims(shape: &Shape) -> Result<[usize; 4]> {
+    match *shape.dims() {
+        [b, a, c, d] => Ok([b, a, c, d]),
+        _ => Err(Error::Msg(format!("transpose: {shape:?} is not 4-D"))),
+    }
+}
+
+fn swapped([b, a, c, d]: [usize; 4]) -> Shape {
+    Shape::from((b, c, a, d))
+}
+
+/// `[2, dims...]`.
+fn stacked(shape: &Shape) -> Vec<usize> {
+    std::iter::once(2)
+        .chain(shape.dims().iter().copied())
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -644,11 +1189,29 @@ impl CustomOp2 for SoftmaxGrad {
 /// For logits `[N, V]` and one target per row: `[N, 2]` holding `log softmax(logits)[target]`
 /// and the entropy of `softmax(logits)`, both differentiable, without materializing the
 /// log-softmax: a forward pass reads each row twice, the backward writes the gradient once.
+/// The result is f32 for bf16 logits (on the GPU), the logits' dtype otherwise.
 #[cfg_attr(not(feature = "train"), allow(dead_code))] // only the trainer's loss uses it
 pub(crate) fn target_logprob_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     logits.contiguous()?.apply_op1(TargetLogprob {
         targets: Arc::new(targets.to_vec()),
     })
+}
+
+/// The gradient of [`target_logprob_entropy`]'s logits, given its result `stats` and their
+/// gradient `grad` (both `[N, 2]`), without a graph.
+#[cfg_attr(not(feature = "train"), allow(dead_code))] // only the trainer's loss uses it
+pub(crate) fn target_logprob_entropy_grad(
+    logits: &Tensor,
+    stats: &Tensor,
+    grad: &Tensor,
+    targets: &Arc<Vec<u32>>,
+) -> Result<Tensor> {
+    let op = TargetLogprobGrad {
+        targets: targets.clone(),
+    };
+    logits
+        .contiguous()?
+        .apply_op3_no_bwd(&stats.contiguous()?, &grad.contiguous()?, &op)
 }
 
 #[cfg_attr(not(feature = "train"), allow(dead_code))] // only the trainer's loss uses it
@@ -668,6 +1231,22 @@ fn row_stats<T: Real>(x: &[T], buf: &mut Vec<T>) -> (T, T, T) {
 
 #[cfg_attr(not(feature = "train"), allow(dead_code))] // only the trainer's loss uses it
 impl TargetLogprob {
+    /// That `n` rows of a `v`-token vocabulary fit the targets.
+    fn check(&self, n: usize, v: usize) -> Result<()> {
+        if n != self.targets.len() {
+            return Err(Error::Msg(format!(
+                "target logprob: {n} rows of logits for {} targets",
+                self.targets.len()
+            )));
+        }
+        if let Some(&bad) = self.targets.iter().find(|&&t| t as usize >= v) {
+            return Err(Error::Msg(format!(
+                "target logprob: target {bad} outside a vocabulary of {v}"
+            )));
+        }
+        Ok(())
+    }
+
     fn run<T: Real>(&self, x: &[T], v: usize) -> Result<Vec<T>> {
         let n = self.targets.len();
         if x.len() != n * v {
@@ -676,11 +1255,7 @@ impl TargetLogprob {
                 x.len()
             )));
         }
-        if let Some(&bad) = self.targets.iter().find(|&&t| t as usize >= v) {
-            return Err(Error::Msg(format!(
-                "target logprob: target {bad} outside a vocabulary of {v}"
-            )));
-        }
+        self.check(n, v)?;
         let mut out = vec![T::zero(); 2 * n];
         out.par_chunks_mut(2)
             .zip(x.par_chunks(v))
@@ -710,15 +1285,16 @@ impl CustomOp1 for TargetLogprob {
         Ok((out, Shape::from((n, 2))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (n, v) = l.shape().dims2()?;
+        self.check(n, v)?;
+        let out = super::cuda_ops::target_logprob(s, l, &self.targets, v)?;
+        Ok((out, Shape::from((n, 2))))
+    }
+
     fn bwd(&self, logits: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let op = TargetLogprobGrad {
-            targets: self.targets.clone(),
-        };
-        Ok(Some(logits.apply_op3_no_bwd(
-            res,
-            &grad.contiguous()?,
-            &op,
-        )?))
+        target_logprob_entropy_grad(logits, res, grad, &self.targets).map(Some)
     }
 }
 
@@ -792,6 +1368,32 @@ impl CustomOp3 for TargetLogprobGrad {
             )),
             d => return Err(unsupported(what, d)),
         };
+        Ok((out, xl.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &CudaStorage,
+        xl: &Layout,
+        rs: &CudaStorage,
+        rl: &Layout,
+        gs: &CudaStorage,
+        gl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (n, v) = xl.shape().dims2()?;
+        let what = "target logprob backward";
+        if n != self.targets.len()
+            || rl.shape().elem_count() != 2 * n
+            || gl.shape().elem_count() != 2 * n
+        {
+            return Err(Error::Msg(format!(
+                "{what}: {n} rows for {} targets",
+                self.targets.len()
+            )));
+        }
+        let out =
+            super::cuda_ops::target_logprob_grad((xs, xl), (rs, rl), (gs, gl), &self.targets, v)?;
         Ok((out, xl.shape().clone()))
     }
 }
@@ -949,6 +1551,50 @@ mod tests {
     }
 
     #[test]
+    fn add_repeats_a_bias_over_rows() {
+        let x = randn(&[3, 4], 1, DType::F32);
+        let bias = randn(&[4], 2, DType::F32);
+        for b in [bias, randn(&[3, 4], 3, DType::F32)] {
+            let ours = x.apply_op2_no_bwd(&b, &Add).unwrap();
+            let reference = x.broadcast_add(&b).unwrap();
+            let diff = (ours - reference)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(diff, 0.0);
+        }
+    }
+
+    #[test]
+    fn transpose12_swaps_heads_and_positions() {
+        for dtype in [DType::F32, DType::F64] {
+            let x = randn(&[2, 3, 4, 5], 7, dtype);
+            let ours = transpose12(&x).unwrap();
+            let reference = x.transpose(1, 2).unwrap().contiguous().unwrap();
+            assert_eq!(ours.dims(), reference.dims());
+            let diff = (ours - reference)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            assert_eq!(diff, 0.0);
+        }
+    }
+
+    #[test]
     fn target_logprob_and_entropy_match_log_softmax() {
         let targets = [3u32, 0, 6, 2];
         let idx = Tensor::new(&targets, &Device::Cpu)
@@ -971,5 +1617,26 @@ mod tests {
             &[4, 7],
             1e-5,
         );
+    }
+
+    #[test]
+    fn silu_mul_and_its_backward_match_autograd() {
+        for dtype in [DType::F64, DType::F32] {
+            let gate = Var::from_tensor(&randn(&[3, 40], 5, dtype)).unwrap();
+            let up = Var::from_tensor(&randn(&[3, 40], 6, dtype)).unwrap();
+            let grad = randn(&[3, 40], 7, dtype);
+            let composite = (gate.as_tensor().silu().unwrap() * up.as_tensor()).unwrap();
+            let fused = silu_mul(gate.as_tensor(), up.as_tensor()).unwrap();
+            assert!(max_diff(&fused, &composite) < 1e-5);
+            let grads = (composite * &grad)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let (d_gate, d_up) = silu_mul_grad(gate.as_tensor(), up.as_tensor(), &grad).unwrap();
+            assert!(max_diff(&d_gate, grads.get(gate.as_tensor()).unwrap()) < 1e-5);
+            assert!(max_diff(&d_up, grads.get(up.as_tensor()).unwrap()) < 1e-5);
+        }
     }
 }
