@@ -564,16 +564,45 @@ fn lora_gradients_match_finite_differences() {
             ..Default::default()
         },
     ];
-    for config in &configs {
+    // Each configuration with the whole graph kept and with gradient checkpointing (the layers'
+    // backward rebuilt one at a time): both must match finite differences, and each other.
+    let mut kept_grads = Vec::new();
+    let runs = configs.iter().flat_map(|c| {
+        [false, true].map(|checkpointing| TrainConfig {
+            gradient_checkpointing: Some(checkpointing),
+            ..c.clone()
+        })
+    });
+    for config in &runs.collect::<Vec<_>>() {
         let norm = Normalization::for_step(&sequences, config);
-        let out =
+        let mut out =
             micro_batch_loss(engine.model(), Some(&adapter), &refs, norm, config, true).unwrap();
         assert!(
             out.clipped_tokens > 0,
             "the fixture should clip some tokens"
         );
         assert!(out.clipped_tokens < out.num_tokens());
-        let grads = out.loss.backward().unwrap();
+        let grads = out.backward(engine.model(), &adapter).unwrap();
+        let all: Vec<Vec<f32>> = adapter
+            .named_vars()
+            .iter()
+            .map(|(name, var)| {
+                let g = grads.get(var.as_tensor());
+                let g = g.unwrap_or_else(|| panic!("no gradient for {name}"));
+                g.flatten_all().unwrap().to_vec1().unwrap()
+            })
+            .collect();
+        if config.gradient_checkpointing == Some(true) {
+            let kept: Vec<Vec<f32>> = kept_grads.pop().expect("the kept-graph run came first");
+            for (a, b) in all.iter().flatten().zip(kept.iter().flatten()) {
+                assert!(
+                    (a - b).abs() <= 1e-6 * a.abs().max(b.abs()) + 1e-12,
+                    "checkpointed gradient {a:e} vs {b:e}"
+                );
+            }
+        } else {
+            kept_grads.push(all);
+        }
         let loss_at = || -> f64 {
             micro_batch_loss(engine.model(), Some(&adapter), &refs, norm, config, false)
                 .unwrap()
@@ -626,6 +655,7 @@ fn lora_gradients_match_finite_differences() {
         }
         assert_eq!(checked, 3 * 2 * 3);
     }
+    assert!(kept_grads.is_empty());
 }
 
 #[test]

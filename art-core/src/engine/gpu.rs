@@ -21,7 +21,43 @@ pub fn cuda_device(ordinal: usize) -> Result<Device> {
         // nothing has been allocated on it yet.
         unsafe { device.as_cuda_device()?.disable_event_tracking() };
     }
+    #[cfg(feature = "cuda")]
+    if std::env::var("ART_CUDA_POOL_TRIM").map_or(true, |v| v != "1") {
+        keep_freed_memory(&device)?;
+    }
     Ok(device)
+}
+
+/// Makes the device's memory pool keep the memory freed into it instead of returning it to the
+/// driver at every synchronization (CUDA's default release threshold is 0). A training step
+/// synchronizes several times (the host reads the loss and the ratios) and allocates gigabytes
+/// between; with the default, every step's allocations mapped fresh memory again, which held
+/// the host at each kernel launch and left the GPU waiting. `ART_CUDA_POOL_TRIM=1` keeps
+/// CUDA's default.
+#[cfg(feature = "cuda")]
+fn keep_freed_memory(device: &Device) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let stream = device.as_cuda_device()?.cuda_stream();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: plain driver calls on the context's own device, with valid out-pointers.
+    let status = unsafe {
+        match sys::cuDeviceGetDefaultMemPool(&mut pool, stream.context().cu_device()) {
+            sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            ),
+            failed => failed,
+        }
+    };
+    if status != sys::CUresult::CUDA_SUCCESS {
+        return Err(candle_core::Error::Msg(format!(
+            "could not set the CUDA memory pool's release threshold: {status:?}"
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 /// `(free, total)` bytes of the GPU's memory, or `None` for a CPU device.

@@ -8,7 +8,6 @@ use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Module, Shape, S
 
 use super::error::Result;
 use super::lora::LoraPair;
-#[cfg(target_arch = "x86_64")]
 use super::ops;
 #[cfg(target_arch = "x86_64")]
 use super::qgemm::PackedWeight;
@@ -119,25 +118,27 @@ impl Linear {
         let in_dim = *dims.last().expect("linear input has at least one dim");
         let rows = x.elem_count() / in_dim.max(1);
         let x2 = x.reshape((rows, in_dim))?;
+        let add_bias = |y: Tensor| -> Result<Tensor> {
+            Ok(match &self.bias {
+                Some(b) => ops::add(&y, b)?,
+                None => y,
+            })
+        };
         let mut y = match (&self.quantized, quantized) {
-            (Some(q), true) => match self.packed_forward(&x2)? {
+            (Some(q), true) => add_bias(match self.packed_forward(&x2)? {
                 Some(y) => y,
                 None => q.forward(&x2)?,
-            },
-            _ if x2.track_op() => frozen_matmul(&x2, &self.weight)?,
-            _ => match skinny_forward(&x2, &self.weight)? {
+            })?,
+            // The bias is added inside: as a graph node of its own, candle's backward would
+            // fill and keep a full-size gradient for the (constant) broadcast bias.
+            _ if x2.track_op() => frozen_matmul(&x2, &self.weight, self.bias.as_ref())?,
+            _ => add_bias(match skinny_forward(&x2, &self.weight)? {
                 Some(y) => y,
                 None => x2.matmul(&self.weight.t()?)?,
-            },
+            })?,
         };
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
-        }
         if let Some((pair, train)) = lora {
-            let (a, b) = pair.tensors(train);
-            let (a, b) = (a.to_dtype(x.dtype())?, b.to_dtype(x.dtype())?);
-            let delta = x2.matmul(&a.t()?)?.matmul(&b.t()?)?;
-            y = (y + (delta * lora_scale)?)?;
+            y = (y + lora_product(&x2, pair, train, lora_scale)?)?;
         }
         let mut out_dims = dims;
         *out_dims.last_mut().unwrap() = self.out_features();
@@ -175,13 +176,20 @@ impl Linear {
         let dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dim");
         let x2 = x.reshape((x.elem_count() / in_dim.max(1), in_dim))?;
-        let (a, b) = pair.tensors(train);
-        let (a, b) = (a.to_dtype(x.dtype())?, b.to_dtype(x.dtype())?);
-        let delta = (x2.matmul(&a.t()?)?.matmul(&b.t()?)? * scale)?;
+        let delta = lora_product(&x2, pair, train, scale)?;
         let mut out_dims = dims;
-        *out_dims.last_mut().unwrap() = b.dims()[0];
+        *out_dims.last_mut().unwrap() = delta.dims()[1];
         Ok(delta.reshape(out_dims)?)
     }
+}
+
+/// `scale * (x A^T) B^T` for `x` of `[rows, in]`. The scale multiplies `B` (`[out, rank]`), not
+/// the `[rows, out]` product: one small op instead of a full-size one, forward and backward.
+fn lora_product(x: &Tensor, pair: &LoraPair, train: bool, scale: f64) -> Result<Tensor> {
+    let (a, b) = pair.tensors(train);
+    let a = a.to_dtype(x.dtype())?;
+    let b = (b.to_dtype(x.dtype())? * scale)?;
+    Ok(x.matmul(&a.t()?)?.matmul(&b.t()?)?)
 }
 
 /// `x W^T` for a few rows of f32 on a CPU with AVX-512 or AVX2 (a decoding step), with our kernel
@@ -235,13 +243,17 @@ fn cpu_product(
     Ok(Some(Tensor::from_vec(out, (rows, n), x.device())?))
 }
 
-/// `x W^T` for a frozen `W` inside an autograd graph. A plain matmul would make backward compute
+/// `x W^T (+ b)` for a frozen `W` (and bias) inside an autograd graph. A plain matmul would make backward compute
 /// the gradient of `W` too (candle computes gradients for every argument of a tracked op), which
 /// for a LoRA-only trainer is a third of all its matmul work thrown away. Here the product is
 /// computed without a graph and attached to `x` through a custom op whose backward is only
 /// `grad_x = grad_y W`.
-fn frozen_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
+fn frozen_matmul(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let y = x.detach().matmul(&weight.t()?)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
     let (storage, layout) = y.storage_and_layout();
     let output = storage.try_clone(layout)?;
     let op = FrozenMatmul {

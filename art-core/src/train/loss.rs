@@ -2,9 +2,12 @@
 //! logprobs (per token, or per sequence as a geometric mean), an optional k3 KL penalty to the
 //! base model, and each token weighted so that summing micro-batches gives the step's loss.
 
-use candle_core::{DType, Tensor, D};
+use std::sync::Arc;
 
-use crate::engine::{ops, Forward, LoraAdapter, Model};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var, D};
+
+use crate::engine::{ops, Forward, LayerInputs, LoraAdapter, Model};
 use crate::types::{ImportanceSamplingLevel, TrainConfig};
 
 use super::batch::TrainSequence;
@@ -46,8 +49,9 @@ impl Normalization {
 
 /// The loss of one micro-batch and what was measured on the way.
 pub struct MicroBatchLoss {
-    /// Scalar, differentiable with respect to the adapter's variables (when computed with
-    /// `train`): `policy_loss + beta * kl`, this micro-batch's share of the step's loss.
+    /// Scalar: `policy_loss + beta * kl`, this micro-batch's share of the step's loss. Its
+    /// gradients with respect to the adapter's variables (when computed with `train`) come from
+    /// [`MicroBatchLoss::backward`]: part of the backward is not candle's.
     pub loss: Tensor,
     /// This micro-batch's share of the step's policy loss (weighted sum).
     pub policy_loss: f64,
@@ -61,26 +65,114 @@ pub struct MicroBatchLoss {
     /// where unknown).
     pub trainer_logprobs: Vec<f32>,
     pub sampler_logprobs: Vec<f32>,
+    /// The language-model head, when its backward is ours rather than candle's.
+    head: Option<Head>,
+    /// With gradient checkpointing: where the layers' graph ends (the last layer's output)
+    /// and what the layers' backward needs.
+    recompute: Option<(Var, LayerInputs)>,
 }
 
 impl MicroBatchLoss {
     pub fn num_tokens(&self) -> usize {
         self.trainer_logprobs.len()
     }
+
+    /// The gradients of [`MicroBatchLoss::loss`]: candle's backward through the loss, the
+    /// head's backward, candle's through the graph below it and, with gradient checkpointing,
+    /// the layers' backward after that (one layer's graph at a time).
+    /// `model` and `adapter` are the ones the loss was computed with.
+    pub fn backward(&mut self, model: &Model, adapter: &LoraAdapter) -> Result<GradStore> {
+        let mut grads = self.loss.backward()?;
+        if let Some(head) = self.head.take() {
+            let Some(grad) = grads.remove(head.stats.as_tensor()) else {
+                return Ok(grads); // no trainable token
+            };
+            let grad_logits = ops::target_logprob_entropy_grad(
+                &head.logits,
+                head.stats.as_tensor(),
+                &grad,
+                &head.targets,
+            )?;
+            drop(head.logits);
+            let grad_hidden = model.logits_input_grad(&grad_logits)?;
+            drop(grad_logits);
+            // A scalar whose gradient with respect to `hidden` is `grad_hidden`: candle's
+            // backward carries it through the rest of the graph.
+            grads = (head.hidden * grad_hidden.detach())?
+                .sum_all()?
+                .backward()?;
+        }
+        if let Some((top, inputs)) = self.recompute.take() {
+            let Some(grad) = grads.remove(top.as_tensor()) else {
+                // The loss does not depend on the layers (no trainable token): nothing to add.
+                return Ok(grads);
+            };
+            model.backward_layers(inputs, grad, adapter, &mut grads)?;
+        }
+        Ok(grads)
+    }
 }
 
-/// Logprobs of `targets` (`[N]`) under `logits` (`[N, vocab]`), differentiable, plus the
-/// (detached) entropy of each row.
-fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
-    if ops::supported(logits) {
+/// Whether a training forward on `model` recomputes activations in its backward.
+fn checkpointing(model: &Model, adapter: Option<&LoraAdapter>, config: &TrainConfig) -> bool {
+    let dropout = adapter.map_or(0.0, |a| a.config().dropout);
+    adapter.is_some()
+        && dropout == 0.0
+        && config
+            .gradient_checkpointing
+            .unwrap_or(!model.device().is_cpu())
+}
+
+/// The language-model head's backward, run by [`MicroBatchLoss::backward`] rather than by
+/// candle: the loss's graph starts at the head's `[N, 2]` statistics, so that candle's backward
+/// never fills, adds and keeps vocabulary-sized gradients (one pass of each over `[N, vocab]` per
+/// graph node: a tenth of a GPU step at Qwen's 152k vocabulary).
+struct Head {
+    /// The head's input, `[N, hidden]`, with its graph.
+    hidden: Tensor,
+    /// The head's output, without a graph.
+    logits: Tensor,
+    /// [`ops::target_logprob_entropy`] of the logits: where the loss's graph starts.
+    stats: Var,
+    targets: Arc<Vec<u32>>,
+}
+
+/// Logprobs of `targets` (`[N]`) under the head's logits of `hidden` (`[N, hidden]`),
+/// differentiable, plus the (detached) entropy of each row; and, when `hidden` has a graph and
+/// the fused kernels run, the head whose backward is left to [`MicroBatchLoss::backward`].
+/// `target_ids` are `targets`' values, on the host.
+fn target_logprobs(
+    model: &Model,
+    hidden: &Tensor,
+    fwd: Forward,
+    targets: &Tensor,
+    target_ids: &[u32],
+) -> Result<(Tensor, Tensor, Option<Head>)> {
+    let logits = model.logits(&hidden.detach(), fwd)?;
+    if ops::supported(&logits) {
         // One fused pass over the vocabulary forward and one backward, instead of a
         // materialized log-softmax and its gradient.
-        let both = ops::target_logprob_entropy(logits, &targets.to_vec1::<u32>()?)?;
-        return Ok((
-            both.narrow(1, 0, 1)?.squeeze(1)?,
-            both.narrow(1, 1, 1)?.squeeze(1)?.detach(),
-        ));
+        let stats = ops::target_logprob_entropy(&logits, target_ids)?;
+        let entropy = stats.narrow(1, 1, 1)?.squeeze(1)?;
+        if !hidden.track_op() {
+            return Ok((stats.narrow(1, 0, 1)?.squeeze(1)?, entropy, None));
+        }
+        let stats = Var::from_tensor(&stats)?;
+        let logprobs = stats.narrow(1, 0, 1)?.squeeze(1)?;
+        let head = Head {
+            hidden: hidden.clone(),
+            logits,
+            stats,
+            targets: Arc::new(target_ids.to_vec()),
+        };
+        return Ok((logprobs, entropy, Some(head)));
     }
+    // Composite ops, through candle's backward; half-precision logits in f32.
+    let logits = model.logits(hidden, fwd)?;
+    let logits = match logits.dtype() {
+        DType::F64 | DType::F32 => logits,
+        _ => logits.to_dtype(DType::F32)?,
+    };
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let shifted = logits.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
@@ -88,7 +180,7 @@ fn target_logprobs(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)
     let logprobs = picked.broadcast_sub(&lse)?.squeeze(1)?;
     let all = shifted.detach().broadcast_sub(&lse.detach())?;
     let entropy = (all.exp()? * &all)?.sum(D::Minus1)?.neg()?;
-    Ok((logprobs, entropy))
+    Ok((logprobs, entropy, None))
 }
 
 /// The GRPO loss of `batch` (right-padded into one forward). With `train`, the graph reaches
@@ -105,7 +197,9 @@ pub fn micro_batch_loss(
 ) -> Result<MicroBatchLoss> {
     let device = model.device();
     let rows = batch.len();
-    let width = batch.iter().map(|s| s.len()).max().unwrap_or(0).max(2) - 1;
+    // Rows padded to a multiple of 8 positions: cuBLAS falls back to slow unaligned kernels for
+    // attention products whose rows are, say, 511 elements long (8% of a step's GPU time).
+    let width = (batch.iter().map(|s| s.len()).max().unwrap_or(0).max(2) - 1).next_multiple_of(8);
     // Inputs are tokens[..len - 1]; position p of row r predicts tokens[p + 1].
     let mut input = vec![0u32; rows * width];
     let mut positions = Vec::new();
@@ -140,7 +234,8 @@ pub fn micro_batch_loss(
     };
     let input = Tensor::from_vec(input, (rows, width), device)?;
     let positions = Tensor::from_vec(positions, n, device)?;
-    let targets = Tensor::from_vec(targets, n, device)?;
+    let target_ids = targets;
+    let targets = Tensor::from_slice(&target_ids, n, device)?;
 
     let select = |hidden: Tensor| -> Result<Tensor> {
         let h = hidden.dim(D::Minus1)?;
@@ -148,10 +243,16 @@ pub fn micro_batch_loss(
             .reshape((rows * width, h))?
             .index_select(&positions, 0)?)
     };
-    let hidden = select(model.forward_hidden(&input, fwd)?)?;
-    let logits = model.logits(&hidden, fwd)?;
-    let dtype = logits.dtype();
-    let (new_lp, entropy) = target_logprobs(&logits, &targets)?;
+    let (hidden, recompute) = if train && checkpointing(model, adapter, config) {
+        let (top, inputs) = model.forward_layers_checkpointed(&input, adapter)?;
+        let hidden = model.final_norm(top.as_tensor())?;
+        (hidden, Some((top, inputs)))
+    } else {
+        (model.forward_hidden(&input, fwd)?, None)
+    };
+    let hidden = select(hidden)?;
+    let (new_lp, entropy, head) = target_logprobs(model, &hidden, fwd, &targets, &target_ids)?;
+    let dtype = new_lp.dtype();
     let vector =
         |v: Vec<f64>| -> Result<Tensor> { Ok(Tensor::from_vec(v, n, device)?.to_dtype(dtype)?) };
 
@@ -225,8 +326,7 @@ pub fn micro_batch_loss(
             quantized: false,
         };
         let ref_hidden = select(model.forward_hidden(&input, base)?)?;
-        let ref_logits = model.logits(&ref_hidden, base)?;
-        let (ref_lp, _) = target_logprobs(&ref_logits, &targets)?;
+        let (ref_lp, _, _) = target_logprobs(model, &ref_hidden, base, &targets, &target_ids)?;
         // k3 estimator of KL(policy || base): exp(ref - new) - (ref - new) - 1.
         let d = (ref_lp.detach() - &new_lp)?;
         let kl_tok = ((d.exp()? - &d)? - 1.0)?;
@@ -250,5 +350,7 @@ pub fn micro_batch_loss(
         clipped_tokens,
         trainer_logprobs,
         sampler_logprobs: sampler,
+        head,
+        recompute,
     })
 }

@@ -42,6 +42,38 @@ pub struct AdamW {
     /// Steps taken (for bias correction).
     t: u64,
     params: AdamWParams,
+    /// Every slot's `m` and `v`, flattened and concatenated, when the slots' moments are views
+    /// of these (after an update of all variables at once).
+    flat: Option<(Tensor, Tensor)>,
+}
+
+/// One step's constants.
+struct Update {
+    params: AdamWParams,
+    bias1: f64,
+    bias2: f64,
+    lr: f64,
+    weight_decay: f64,
+}
+
+impl Update {
+    /// The new `(m, v, theta)` for gradient `g` (all f32, any shape).
+    fn apply(
+        &self,
+        m: &Tensor,
+        v: &Tensor,
+        g: &Tensor,
+        theta: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let AdamWParams { beta1, beta2, eps } = self.params;
+        let m = ((m * beta1)? + (g * (1.0 - beta1))?)?;
+        let v = ((v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+        let denom = ((&v / self.bias2)?.sqrt()? + eps)?;
+        let update = ((&m / self.bias1)? / denom)?;
+        let decayed = (theta * (1.0 - self.lr * self.weight_decay))?;
+        let next = (decayed - (update * self.lr)?)?;
+        Ok((m, v, next))
+    }
 }
 
 /// The small JSON part of a saved optimizer state.
@@ -68,6 +100,7 @@ impl AdamW {
             slots,
             t: 0,
             params,
+            flat: None,
         })
     }
 
@@ -79,22 +112,70 @@ impl AdamW {
     /// gradient leaves the variable (and its moments) unchanged.
     pub fn step(&mut self, grads: &[Option<Tensor>], lr: f64, weight_decay: f64) -> Result<()> {
         self.t += 1;
-        let AdamWParams { beta1, beta2, eps } = self.params;
         let t = self.t as i32;
-        let bias1 = 1.0 - beta1.powi(t);
-        let bias2 = 1.0 - beta2.powi(t);
-        for (slot, grad) in self.slots.iter_mut().zip(grads) {
-            let Some(g) = grad else { continue };
-            let g = g.to_dtype(DType::F32)?;
-            slot.m = ((&slot.m * beta1)? + (&g * (1.0 - beta1))?)?;
-            slot.v = ((&slot.v * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-            let denom = ((&slot.v / bias2)?.sqrt()? + eps)?;
-            let update = ((&slot.m / bias1)? / denom)?;
-            let theta = slot.var.as_tensor();
-            let decayed = (theta * (1.0 - lr * weight_decay))?;
-            let next = (decayed - (update * lr)?)?.to_dtype(theta.dtype())?;
-            slot.var.set(&next)?;
+        let hyper = Update {
+            params: self.params,
+            bias1: 1.0 - self.params.beta1.powi(t),
+            bias2: 1.0 - self.params.beta2.powi(t),
+            lr,
+            weight_decay,
+        };
+        let all: Option<Vec<&Tensor>> = grads.iter().map(Option::as_ref).collect();
+        match all {
+            // Every variable at once, as one flat vector: a dozen ops in all instead of a dozen
+            // per variable (a model of 24 layers has 336 adapter matrices; on a GPU each op
+            // costs the host ~10 us whatever its size).
+            Some(grads) if !self.slots.is_empty() && grads.len() == self.slots.len() => {
+                self.step_flat(&grads, &hyper)
+            }
+            _ => {
+                self.flat = None;
+                for (slot, grad) in self.slots.iter_mut().zip(grads) {
+                    let Some(g) = grad else { continue };
+                    let theta = slot.var.as_tensor().to_dtype(DType::F32)?;
+                    let (m, v, next) =
+                        hyper.apply(&slot.m, &slot.v, &g.to_dtype(DType::F32)?, &theta)?;
+                    (slot.m, slot.v) = (m, v);
+                    slot.var.set(&next.to_dtype(slot.var.dtype())?)?;
+                }
+                Ok(())
+            }
         }
+    }
+
+    fn step_flat(&mut self, grads: &[&Tensor], hyper: &Update) -> Result<()> {
+        let flat = |ts: Vec<Tensor>| -> Result<Tensor> {
+            let ts = ts
+                .iter()
+                .map(|t| t.to_dtype(DType::F32)?.flatten_all())
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Ok(Tensor::cat(&ts, 0)?)
+        };
+        let (m, v) = match self.flat.take() {
+            Some(mv) => mv,
+            None => (
+                flat(self.slots.iter().map(|s| s.m.clone()).collect())?,
+                flat(self.slots.iter().map(|s| s.v.clone()).collect())?,
+            ),
+        };
+        let g = flat(grads.iter().map(|&g| g.clone()).collect())?;
+        let theta = flat(
+            self.slots
+                .iter()
+                .map(|s| s.var.as_tensor().clone())
+                .collect(),
+        )?;
+        let (m, v, next) = hyper.apply(&m, &v, &g, &theta)?;
+        let mut offset = 0;
+        for slot in &mut self.slots {
+            let n = slot.var.elem_count();
+            let part = |t: &Tensor| t.narrow(0, offset, n)?.reshape(slot.var.shape());
+            slot.m = part(&m)?;
+            slot.v = part(&v)?;
+            slot.var.set(&part(&next)?.to_dtype(slot.var.dtype())?)?;
+            offset += n;
+        }
+        self.flat = Some((m, v));
         Ok(())
     }
 
@@ -146,6 +227,7 @@ impl AdamW {
         }
         self.t = state.t;
         self.params = state.params;
+        self.flat = None;
         Ok(())
     }
 }

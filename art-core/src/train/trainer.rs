@@ -283,7 +283,7 @@ impl Trainer {
         let compute_started = Instant::now();
         for (k, mb) in micro_batches.iter().enumerate() {
             let members: Vec<_> = mb.sequences.iter().map(|&i| &sequences[i]).collect();
-            let out = micro_batch_loss(
+            let mut out = micro_batch_loss(
                 self.engine.model(),
                 Some(&self.adapter),
                 &members,
@@ -291,7 +291,7 @@ impl Trainer {
                 config,
                 true,
             )?;
-            let store = out.loss.backward()?;
+            let store = out.backward(self.engine.model(), &self.adapter)?;
             for (slot, (_, var)) in grads.iter_mut().zip(&named) {
                 if let Some(g) = store.get(var.as_tensor()) {
                     *slot = Some(match slot.take() {

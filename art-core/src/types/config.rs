@@ -75,6 +75,11 @@ pub struct TrainConfig {
     pub lora: LoraConfig,
     /// Train on choices that came without logprobs (the ratio is then taken as 1).
     pub allow_training_without_logprobs: bool,
+    /// Recompute each layer's activations during the backward pass instead of keeping them all
+    /// (a micro-batch then holds one layer's activations at a time, for a second forward pass).
+    /// `None`: on for GPUs, where memory is what runs out, off on the CPU, where compute is.
+    /// Not with LoRA dropout (the recomputed pass would draw other masks).
+    pub gradient_checkpointing: Option<bool>,
 }
 
 impl Default for TrainConfig {
@@ -92,6 +97,7 @@ impl Default for TrainConfig {
             micro_batch_tokens: 4096,
             lora: LoraConfig::default(),
             allow_training_without_logprobs: false,
+            gradient_checkpointing: None,
         }
     }
 }
