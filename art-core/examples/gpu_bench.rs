@@ -9,6 +9,7 @@
 //! gpu_bench decode --shapes qwen2.5-0.5b --batches 1,16,64 --prompt 128 --tokens 256
 //! gpu_bench train --shapes qwen2.5-7b --batch 8 --seq 512 --iters 3
 //! gpu_bench parity
+//! gpu_bench profile --shapes qwen2.5-0.5b   # where a training step's time goes
 //! ```
 //!
 //! Decode: each batch size runs `batch` requests of `--prompt` random token ids, sampling
@@ -53,6 +54,8 @@ struct Args {
     train_batch: usize,
     seq: usize,
     iters: usize,
+    /// `--checkpointing on|off` (default: the trainer's own choice, on for GPUs).
+    checkpointing: Option<bool>,
 }
 
 fn parse_args() -> Args {
@@ -72,6 +75,7 @@ fn parse_args() -> Args {
         train_batch: 8,
         seq: 512,
         iters: 3,
+        checkpointing: None,
     };
     let list = |s: String| -> Vec<String> { s.split(',').map(String::from).collect() };
     while let Some(flag) = it.next() {
@@ -90,6 +94,13 @@ fn parse_args() -> Args {
             "--batch" => args.train_batch = value().parse().expect("--batch N"),
             "--seq" => args.seq = value().parse().expect("--seq N"),
             "--iters" => args.iters = value().parse().expect("--iters N"),
+            "--checkpointing" => {
+                args.checkpointing = match value().as_str() {
+                    "on" => Some(true),
+                    "off" => Some(false),
+                    other => panic!("--checkpointing on|off, not {other}"),
+                }
+            }
             other => panic!("unknown flag {other}; see the example's docs"),
         }
     }
@@ -266,15 +277,17 @@ fn train_step(
     optimizer: Option<&mut AdamW>,
     seqs: &[TrainSequence],
     lr: f64,
+    checkpointing: Option<bool>,
 ) -> (f64, Vec<f32>, Vec<Option<Tensor>>) {
     let config = TrainConfig {
         learning_rate: lr,
         micro_batch_tokens: seqs.iter().map(|s| s.len()).sum(),
+        gradient_checkpointing: checkpointing,
         ..Default::default()
     };
     let norm = Normalization::for_step(seqs, &config);
     let members: Vec<&TrainSequence> = seqs.iter().collect();
-    let out = micro_batch_loss(engine.model(), Some(adapter), &members, norm, &config, true)
+    let mut out = micro_batch_loss(engine.model(), Some(adapter), &members, norm, &config, true)
         .expect("loss");
     let loss = out
         .loss
@@ -282,7 +295,7 @@ fn train_step(
         .unwrap()
         .to_scalar::<f64>()
         .unwrap();
-    let store = out.loss.backward().expect("backward");
+    let store = out.backward(engine.model(), adapter).expect("backward");
     let grads: Vec<Option<Tensor>> = adapter
         .named_vars()
         .iter()
@@ -308,7 +321,14 @@ fn train(args: &Args, device: &Device) {
         let mut rates = Vec::new();
         for iter in 0..=args.iters {
             let t0 = Instant::now();
-            let (loss, _, _) = train_step(&engine, &adapter, Some(&mut optimizer), &seqs, 1e-5);
+            let (loss, _, _) = train_step(
+                &engine,
+                &adapter,
+                Some(&mut optimizer),
+                &seqs,
+                1e-5,
+                args.checkpointing,
+            );
             device.synchronize().unwrap();
             let dt = t0.elapsed().as_secs_f64();
             println!(
@@ -339,6 +359,96 @@ fn train(args: &Args, device: &Device) {
 }
 
 /// `max |t|` over every element of an f64 tensor.
+/// Where a training step's time goes: the loss's forward (with its host reads), the backward
+/// as enqueued by the host and as finished on the device, the optimizer; the graph's node
+/// count; and what one small candle op costs the host (the floor under every kernel).
+fn profile(args: &Args, device: &Device) {
+    let x = Tensor::zeros(16, DType::BF16, device).unwrap();
+    let mut y = x.clone();
+    let ops = 5_000;
+    device.synchronize().unwrap();
+    let t = Instant::now();
+    for _ in 0..ops {
+        y = (&y + &x).unwrap();
+    }
+    let enqueued = t.elapsed().as_secs_f64();
+    device.synchronize().unwrap();
+    println!(
+        "PROFILE host cost of a small op: {:.1} us enqueued, {:.1} us finished",
+        enqueued * 1e6 / ops as f64,
+        t.elapsed().as_secs_f64() * 1e6 / ops as f64
+    );
+    for shape in &args.shapes {
+        let engine = random_engine(shape, device);
+        let config = engine.config().clone();
+        let adapter =
+            LoraAdapter::new(&config, &LoraConfig::default(), device, 0).expect("adapter");
+        let mut optimizer = AdamW::new(adapter.named_vars(), AdamWParams::default()).unwrap();
+        let seqs = sequences(args.train_batch, args.seq, config.vocab_size, None, None);
+        let members: Vec<&TrainSequence> = seqs.iter().collect();
+        let train_config = TrainConfig {
+            micro_batch_tokens: seqs.iter().map(|s| s.len()).sum(),
+            gradient_checkpointing: args.checkpointing,
+            ..Default::default()
+        };
+        let norm = Normalization::for_step(&seqs, &train_config);
+        for iter in 0..=args.iters {
+            device.synchronize().unwrap();
+            let t0 = Instant::now();
+            let no_grad = micro_batch_loss(
+                engine.model(),
+                Some(&adapter),
+                &members,
+                norm,
+                &train_config,
+                false,
+            )
+            .expect("loss");
+            drop(no_grad);
+            device.synchronize().unwrap();
+            let t1 = Instant::now();
+            let mut out = micro_batch_loss(
+                engine.model(),
+                Some(&adapter),
+                &members,
+                norm,
+                &train_config,
+                true,
+            )
+            .expect("loss");
+            device.synchronize().unwrap();
+            let t2 = Instant::now();
+            let nodes = out.loss.sorted_nodes().len();
+            let t3 = Instant::now();
+            let store = out.backward(engine.model(), &adapter).expect("backward");
+            let t4 = Instant::now();
+            device.synchronize().unwrap();
+            let t5 = Instant::now();
+            let grads: Vec<Option<Tensor>> = adapter
+                .named_vars()
+                .iter()
+                .map(|(_, v)| store.get(v.as_tensor()).cloned())
+                .collect();
+            drop(store);
+            optimizer.step(&grads, 1e-5, 0.0).unwrap();
+            device.synchronize().unwrap();
+            let t6 = Instant::now();
+            let s = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+            println!(
+                "PROFILE {shape} iter {iter}: forward without graph {:.0} ms | forward with graph \
+                 {:.0} ms ({nodes} graph nodes, {:.0} ms to sort them) | backward enqueued in \
+                 {:.0} ms, done after {:.0} ms | optimizer {:.0} ms",
+                s(t0, t1),
+                s(t1, t2),
+                s(t2, t3),
+                s(t3, t4),
+                s(t3, t5),
+                s(t5, t6)
+            );
+        }
+    }
+}
+
 fn max_abs(t: &Tensor) -> f64 {
     t.abs()
         .unwrap()
@@ -524,8 +634,8 @@ fn parity(device: &Device) {
         let adapter = LoraAdapter::new(engine.config(), &lora, d, 1).unwrap();
         let mut opt = AdamW::new(adapter.named_vars(), AdamWParams::default()).unwrap();
         let seqs = sequences(4, 40, spec.vocab_size, None, None);
-        let (l0, _, _) = train_step(&engine, &adapter, Some(&mut opt), &seqs, 1e-2);
-        let (l1, _, g) = train_step(&engine, &adapter, None, &seqs, 1e-2);
+        let (l0, _, _) = train_step(&engine, &adapter, Some(&mut opt), &seqs, 1e-2, None);
+        let (l1, _, g) = train_step(&engine, &adapter, None, &seqs, 1e-2, None);
         (l0, l1, g)
     };
     let (c0, c1, cpu_grads) = grads_of(&Device::Cpu);
@@ -559,12 +669,12 @@ fn parity(device: &Device) {
     let vocab = engine.config().vocab_size;
     // Sampler logprobs = the model's own at the start (ratio 1), advantage +1 everywhere.
     let probe = sequences(4, 128, vocab, Some(1.0), None);
-    let (_, lp0, _) = train_step(&engine, &adapter, None, &probe, 0.0);
+    let (_, lp0, _) = train_step(&engine, &adapter, None, &probe, 0.0, None);
     let seqs = sequences(4, 128, vocab, Some(1.0), Some(&lp0));
     let mut losses = Vec::new();
     let mut mean_lp = Vec::new();
     for _ in 0..6 {
-        let (loss, lp, _) = train_step(&engine, &adapter, Some(&mut opt), &seqs, 1e-3);
+        let (loss, lp, _) = train_step(&engine, &adapter, Some(&mut opt), &seqs, 1e-3, None);
         losses.push(loss);
         mean_lp.push(lp.iter().map(|&x| x as f64).sum::<f64>() / lp.len() as f64);
     }
@@ -596,6 +706,7 @@ fn main() {
         "decode" => decode(&args, &device),
         "train" => train(&args, &device),
         "parity" => parity(&device),
+        "profile" => profile(&args, &device),
         "all" => {
             parity(&device);
             decode(&args, &device);

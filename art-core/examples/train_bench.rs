@@ -10,7 +10,10 @@
 //! ```
 //!
 //! `--compare` alternates iterations with candle's composite ops (the reference) and with the
-//! engine's fused kernels, and prints the speed-up measured under the same load.
+//! engine's fused kernels, and prints the speed-up measured under the same load;
+//! `--compare-checkpointing` alternates the whole graph kept (the reference) with gradient
+//! checkpointing and the hand-written layer backward. `--checkpointing on|off` picks one
+//! (default: the trainer's choice, off on the CPU, on on GPUs).
 //!
 //! Prints tokens/s and the ratio to a reference (`--reference`, default: PyTorch with transformers
 //! and peft measured on the same CPU for SmolLM2, 262 tok/s; for `--random`, the HF+peft figure for
@@ -37,6 +40,8 @@ struct Args {
     micro_batch_tokens: usize,
     reference: Option<f64>,
     compare: bool,
+    compare_checkpointing: bool,
+    checkpointing: Option<bool>,
 }
 
 fn parse_args() -> Args {
@@ -50,6 +55,8 @@ fn parse_args() -> Args {
         micro_batch_tokens: 0,
         reference: None,
         compare: false,
+        compare_checkpointing: false,
+        checkpointing: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -65,6 +72,14 @@ fn parse_args() -> Args {
                 args.micro_batch_tokens = value().parse().expect("--micro-batch-tokens N")
             }
             "--compare" => args.compare = true,
+            "--compare-checkpointing" => args.compare_checkpointing = true,
+            "--checkpointing" => {
+                args.checkpointing = match value().as_str() {
+                    "on" => Some(true),
+                    "off" => Some(false),
+                    other => panic!("--checkpointing on|off, not {other}"),
+                }
+            }
             "--reference" => args.reference = Some(value().parse().expect("--reference TOK/S")),
             other => panic!("unknown flag {other}; see the example's docs"),
         }
@@ -156,8 +171,9 @@ fn main() {
             }
         })
         .collect();
-    let train_config = TrainConfig {
+    let mut train_config = TrainConfig {
         learning_rate: 1e-5,
+        gradient_checkpointing: args.checkpointing,
         micro_batch_tokens: if args.micro_batch_tokens > 0 {
             args.micro_batch_tokens
         } else {
@@ -186,21 +202,26 @@ fn main() {
     let mut rates = Vec::new();
     let mut composite_rates = Vec::new();
     // With --compare, iterations alternate between candle's composite ops (the reference, odd
-    // iterations) and the fused kernels (even ones), so that both see the same machine load.
-    let total_iters = if args.compare {
+    // iterations) and the fused kernels (even ones), so that both see the same machine load;
+    // likewise the whole graph and checkpointing with --compare-checkpointing.
+    let comparing = args.compare || args.compare_checkpointing;
+    let total_iters = if comparing {
         2 * args.iters + 1
     } else {
         args.iters
     };
     for iter in 0..=total_iters {
-        let composite = args.compare && iter % 2 == 1;
-        art_core::engine::set_fused_ops(!composite);
+        let composite = comparing && iter % 2 == 1;
+        art_core::engine::set_fused_ops(!(composite && args.compare));
+        if args.compare_checkpointing {
+            train_config.gradient_checkpointing = Some(!composite);
+        }
         let t0 = Instant::now();
         let mut grads: Vec<Option<art_core::engine::Tensor>> = vec![None; named.len()];
         for mb in &batches {
             let members: Vec<&TrainSequence> =
                 mb.sequences.iter().map(|&i| &sequences[i]).collect();
-            let out = micro_batch_loss(
+            let mut out = micro_batch_loss(
                 engine.model(),
                 Some(&adapter),
                 &members,
@@ -209,7 +230,7 @@ fn main() {
                 true,
             )
             .expect("loss");
-            let store = out.loss.backward().expect("backward");
+            let store = out.backward(engine.model(), &adapter).expect("backward");
             for (slot, (_, var)) in grads.iter_mut().zip(&named) {
                 if let Some(g) = store.get(var.as_tensor()) {
                     *slot = Some(match slot.take() {
@@ -227,8 +248,10 @@ fn main() {
             "iter {iter}{}: {dt:.2} s, {rate:.0} tok/s",
             if iter == 0 {
                 " (warm-up)"
-            } else if composite {
+            } else if composite && args.compare {
                 " (composite ops)"
+            } else if composite {
+                " (whole graph)"
             } else {
                 ""
             }
@@ -239,12 +262,16 @@ fn main() {
             rates.push(rate);
         }
     }
-    if args.compare {
+    if comparing {
         let composite = composite_rates.iter().sum::<f64>() / composite_rates.len() as f64;
         let fused = rates.iter().sum::<f64>() / rates.len() as f64;
+        let (new, old) = if args.compare {
+            ("fused kernels", "candle's composite ops")
+        } else {
+            ("checkpointing + layer backward", "the whole graph")
+        };
         println!(
-            "fused kernels {fused:.1} tok/s vs candle's composite ops {composite:.1} tok/s: \
-             speed-up {:.2}x",
+            "{new} {fused:.1} tok/s vs {old} {composite:.1} tok/s: speed-up {:.2}x",
             fused / composite
         );
     }
