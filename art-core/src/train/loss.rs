@@ -148,10 +148,10 @@ fn target_logprobs(
     targets: &Tensor,
     target_ids: &[u32],
 ) -> Result<(Tensor, Tensor, Option<Head>)> {
-    let logits = model.logits(&hidden.detach(), fwd)?;
-    if ops::supported(&logits) {
+    if ops::supported(hidden) {
         // One fused pass over the vocabulary forward and one backward, instead of a
         // materialized log-softmax and its gradient.
+        let logits = model.logits(&hidden.detach(), fwd)?;
         let stats = ops::target_logprob_entropy(&logits, target_ids)?;
         let entropy = stats.narrow(1, 1, 1)?.squeeze(1)?;
         if !hidden.track_op() {
