@@ -118,7 +118,8 @@ pub(crate) fn attend(
 }
 
 /// The CUDA C that every NVRTC module here starts with: bf16 as its bits, `ld` and `st`
-/// converting f32 and bf16 to and from f32 (round to nearest even).
+/// converting f32 and bf16 to and from f32 (round to nearest even), and warp and block
+/// reductions.
 #[cfg(feature = "cuda")]
 macro_rules! cuda_prelude {
     () => {
@@ -132,6 +133,38 @@ __device__ __forceinline__ void st(bf16_t* p, float v) {
   u += 0x7fffu + ((u >> 16) & 1u);
   *p = (bf16_t)(u >> 16);
 }
+
+// Sum / max over the warp; every lane gets the result.
+__device__ float warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// Sum / max over the block; every thread gets the result. `red` holds 32 floats.
+__device__ float block_sum(float x, float* red) {
+  x = warp_sum(x);
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  float s = 0.f;
+  for (int i = 0; i < nw; ++i) s += red[i];
+  return s;
+}
+__device__ float block_max(float x, float* red) {
+  x = warp_max(x);
+  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  float m = red[0];
+  for (int i = 1; i < nw; ++i) m = fmaxf(m, red[i]);
+  return m;
+}
 "#
     };
 }
@@ -142,28 +175,6 @@ pub(crate) use cuda_prelude;
 const SOURCE: &str = concat!(
     cuda_prelude!(),
     r#"
-
-__device__ float block_max(float x, float* red) {
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-  __syncthreads();
-  if (lane == 0) red[warp] = x;
-  __syncthreads();
-  float m = red[0];
-  for (int i = 1; i < nw; ++i) m = fmaxf(m, red[i]);
-  return m;
-}
-
-__device__ float block_sum(float x, float* red) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-  __syncthreads();
-  if (lane == 0) red[warp] = x;
-  __syncthreads();
-  float s = 0.f;
-  for (int i = 0; i < nw; ++i) s += red[i];
-  return s;
-}
 
 // grid (kv, B), block >= 32 threads.
 template <typename T>

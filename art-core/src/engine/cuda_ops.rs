@@ -31,38 +31,6 @@ const SOURCE: &str = concat!(
     cuda_prelude!(),
     r#"
 
-// Sum / max over the warp; every lane gets the result.
-__device__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-__device__ float warp_max(float x) {
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
-// Sum / max over the block; every thread gets the result. `red` holds 32 floats.
-__device__ float block_sum(float x, float* red) {
-  x = warp_sum(x);
-  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-  __syncthreads();
-  if (lane == 0) red[warp] = x;
-  __syncthreads();
-  float s = 0.f;
-  for (int i = 0; i < nw; ++i) s += red[i];
-  return s;
-}
-__device__ float block_max(float x, float* red) {
-  x = warp_max(x);
-  int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nw = blockDim.x / 32;
-  __syncthreads();
-  if (lane == 0) red[warp] = x;
-  __syncthreads();
-  float m = red[0];
-  for (int i = 1; i < nw; ++i) m = fmaxf(m, red[i]);
-  return m;
-}
-
 #define ARGS(T) const T* a, const T* b, const T* c, const unsigned* tg, T* out, \
                 int i0, int i1, int i2, int i3, float f0
 

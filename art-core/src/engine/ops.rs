@@ -1592,6 +1592,8 @@ mod tests {
                 .unwrap();
             assert_eq!(diff, 0.0);
         }
+        let err = transpose12(&randn(&[3, 4, 5], 8, DType::F32)).unwrap_err();
+        assert!(err.to_string().contains("is not 4-D"), "{err}");
     }
 
     #[test]
