@@ -3,14 +3,13 @@
 //! kernel where candle's composite ops run five to fifteen, each reading and writing a whole
 //! tensor (and, in backward, a zero-filled gradient buffer per op besides).
 //!
-//! Every kernel has the same signature, `(a, b, c, targets, out, i0, i1, i2, i3, f0)`: up to
-//! three contiguous inputs of one dtype (unused ones repeat `a`), an optional `u32` vector, an
-//! output of the inputs' dtype, four integers and a float whose meaning each kernel documents.
+//! Every kernel has the same signature, `(a, b, c, out, i0, i1, i2, i3, f0)`: up to three
+//! contiguous inputs of one dtype (unused ones repeat `a`), an output of the inputs' dtype, four integers and a float whose meaning each kernel documents.
 //! One launcher ([`Launch`]) then serves them all. The target log-probability's two kernels are
 //! the exception: their per-row statistics are f32 whatever the logits' dtype
 //! ([`target_logprob`], [`target_logprob_grad`]). Each block computes in f32 and works on one
-//! row (one thread per element for the rotary embedding and SwiGLU). CUDA C compiled at first use with
-//! NVRTC, as the decode kernels are; bf16 is handled as its bits.
+//! row, one warp per row, or 16 bytes per thread (element-wise kernels). CUDA C compiled at
+//! first use with NVRTC, as the decode kernels are; bf16 is handled as its bits.
 
 use candle_core::cuda_backend::cudarc::driver::{
     CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -31,7 +30,7 @@ const SOURCE: &str = concat!(
     cuda_prelude!(),
     r#"
 
-#define ARGS(T) const T* a, const T* b, const T* c, const unsigned* tg, T* out, \
+#define ARGS(T) const T* a, const T* b, const T* c, T* out, \
                 int i0, int i1, int i2, int i3, float f0
 
 // RMS norm of row blockIdx.x: a = x [rows, i0], b = weight [i0], f0 = eps.
@@ -275,8 +274,8 @@ template <typename T> __device__ void transpose12(ARGS(T)) {
 }
 
 #define EXPORT(name) \
-  extern "C" __global__ void art_##name##_f32(ARGS(float)) { name<float>(a, b, c, tg, out, i0, i1, i2, i3, f0); } \
-  extern "C" __global__ void art_##name##_bf16(ARGS(bf16_t)) { name<bf16_t>(a, b, c, tg, out, i0, i1, i2, i3, f0); }
+  extern "C" __global__ void art_##name##_f32(ARGS(float)) { name<float>(a, b, c, out, i0, i1, i2, i3, f0); } \
+  extern "C" __global__ void art_##name##_bf16(ARGS(bf16_t)) { name<bf16_t>(a, b, c, out, i0, i1, i2, i3, f0); }
 EXPORT(rms_norm)
 EXPORT(rms_norm_grad)
 EXPORT(rope)
@@ -304,7 +303,6 @@ pub(crate) struct Launch<'a> {
     pub name: &'static str,
     /// One to three inputs of one dtype (f32 or bf16), contiguous.
     pub inputs: &'a [(&'a CudaStorage, &'a Layout)],
-    pub targets: Option<&'a [u32]>,
     /// Elements of the output (same dtype as the inputs).
     pub out_len: usize,
     pub ints: [i32; 4],
@@ -349,10 +347,6 @@ impl Launch<'_> {
             .iter()
             .map(|(slice, layout)| view(slice, layout, self.name))
             .collect::<Result<Vec<_>>>()?;
-        let targets = match self.targets {
-            Some(t) => dev.clone_htod(t)?,
-            None => dev.alloc_zeros::<u32>(1)?,
-        };
         let out = unsafe { dev.alloc::<T>(self.out_len.max(1))? };
         if self.blocks == 0 {
             return Ok(out);
@@ -363,7 +357,6 @@ impl Launch<'_> {
         for i in 0..3 {
             builder.arg(&views[i.min(views.len() - 1)]);
         }
-        builder.arg(&targets);
         builder.arg(&out);
         let [i0, i1, i2, i3] = self.ints;
         let f0 = self.float;

@@ -386,7 +386,6 @@ impl CustomOp2 for RmsNorm {
         let out = Launch {
             name: "rms_norm",
             inputs: &[(xs, xl), (ws, wl)],
-            targets: None,
             out_len: shape.elem_count(),
             ints: [int(d, "rms norm")?, 0, 0, 0],
             float: self.eps as f32,
@@ -486,7 +485,6 @@ impl CustomOp3 for RmsNormGrad {
         let out = Launch {
             name: "rms_norm_grad",
             inputs: &[(xs, xl), (ws, wl), (gs, gl)],
-            targets: None,
             out_len: shape.elem_count(),
             ints: [int(d, "rms norm backward")?, 0, 0, 0],
             float: self.eps as f32,
@@ -621,7 +619,6 @@ impl CustomOp3 for Rope {
         let out = Launch {
             name: "rope",
             inputs: &[(xs, xl), (cs, cl), (ss, sl)],
-            targets: None,
             out_len: xl.shape().elem_count(),
             ints: [
                 int(h, "rope")?,
@@ -751,7 +748,6 @@ impl CustomOp1 for CausalSoftmax {
         let out = Launch {
             name: "causal_softmax",
             inputs: &[(s, l)],
-            targets: None,
             out_len: l.shape().elem_count(),
             ints: [
                 int(t, what)?,
@@ -845,7 +841,6 @@ impl CustomOp2 for SoftmaxGrad {
         let out = Launch {
             name: "softmax_grad",
             inputs: &[(ps, pl), (gs, gl)],
-            targets: None,
             out_len: pl.shape().elem_count(),
             ints: [int(t, what)?, int(rows, what)?, 0, 0],
             float: 0.0,
@@ -929,7 +924,6 @@ impl CustomOp2 for SiluMul {
         let out = Launch {
             name: "silu_mul",
             inputs: &[(gs, gl), (us, ul)],
-            targets: None,
             out_len: n,
             ints: [0, 0, 0, int(n, "silu mul")?],
             float: 0.0,
@@ -1005,7 +999,6 @@ impl CustomOp3 for SiluMulGrad {
         let out = Launch {
             name: "silu_mul_grad",
             inputs: &[(gs, gl), (us, ul), (ds, dl)],
-            targets: None,
             out_len: 2 * n,
             ints: [0, 0, 0, int(n, what)?],
             float: 0.0,
@@ -1090,7 +1083,6 @@ impl CustomOp2 for Add {
         let out = Launch {
             name: "add",
             inputs: &[(xs, xl), (bs, bl)],
-            targets: None,
             out_len: n,
             ints: [int(period, what)?, 0, 0, int(n, what)?],
             float: 0.0,
@@ -1153,7 +1145,6 @@ impl CustomOp1 for Transpose12 {
         let out = Launch {
             name: "transpose12",
             inputs: &[(s, l)],
-            targets: None,
             out_len: n,
             ints: [int(a, what)?, int(c, what)?, int(d, what)?, int(n, what)?],
             float: 0.0,
