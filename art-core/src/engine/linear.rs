@@ -183,13 +183,22 @@ impl Linear {
     }
 }
 
-/// `scale * (x A^T) B^T` for `x` of `[rows, in]`. The scale multiplies `B` (`[out, rank]`), not
-/// the `[rows, out]` product: one small op instead of a full-size one, forward and backward.
+/// `scale * (x A^T) B^T` for `x` of `[rows, in]`.
 fn lora_product(x: &Tensor, pair: &LoraPair, train: bool, scale: f64) -> Result<Tensor> {
+    let (a, scaled_b) = scaled_pair(pair, train, x.dtype(), scale)?;
+    Ok(x.matmul(&a.t()?)?.matmul(&scaled_b.t()?)?)
+}
+
+/// `A` and `scale * B` of `pair` in `dtype`. The scale multiplies `B` (`[out, rank]`), not the
+/// `[rows, out]` product: one small op instead of a full-size one, forward and backward.
+pub(crate) fn scaled_pair(
+    pair: &LoraPair,
+    train: bool,
+    dtype: DType,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
     let (a, b) = pair.tensors(train);
-    let a = a.to_dtype(x.dtype())?;
-    let b = (b.to_dtype(x.dtype())? * scale)?;
-    Ok(x.matmul(&a.t()?)?.matmul(&b.t()?)?)
+    Ok((a.to_dtype(dtype)?, (b.to_dtype(dtype)? * scale)?))
 }
 
 /// `x W^T` for a few rows of f32 on a CPU with AVX-512 or AVX2 (a decoding step), with our kernel

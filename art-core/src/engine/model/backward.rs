@@ -22,7 +22,7 @@ use candle_core::{DType, Tensor, Var};
 
 use super::{DecoderLayer, RmsNorm, RopeTables};
 use crate::engine::error::Result;
-use crate::engine::linear::Linear;
+use crate::engine::linear::{scaled_pair, Linear};
 use crate::engine::lora::{LoraAdapter, LoraPair, Proj};
 use crate::engine::ops;
 
@@ -35,9 +35,7 @@ impl LayerCasts {
         let mut pairs: [Option<(Tensor, Tensor)>; 7] = Default::default();
         for proj in Proj::ALL {
             if let Some(pair) = adapter.get(layer, proj) {
-                let (a, b) = pair.tensors(false);
-                pairs[proj.index()] =
-                    Some((a.to_dtype(dtype)?, (b.to_dtype(dtype)? * adapter.scale())?));
+                pairs[proj.index()] = Some(scaled_pair(pair, false, dtype, adapter.scale())?);
             }
         }
         Ok(LayerCasts(pairs))
