@@ -3,8 +3,11 @@
 
 use std::time::{Duration, Instant};
 
+use art_core::engine::random::RandomModelSpec;
+use art_core::engine::Architecture;
 use art_core::server::{build_state, ServeOptions};
 use art_e2e::{tiny_model, TempDir, TestServer};
+use futures::stream::{FuturesUnordered, StreamExt};
 use serde_json::{json, Value};
 
 async fn post(server: &TestServer, body: Value) -> (u16, Value) {
@@ -302,30 +305,63 @@ fn quantized_sampling_needs_a_gguf_model() {
     );
 }
 
+/// Two long streamed completions fill the batch (their first chunks show they run), two more
+/// requests fill the queue, and the rest must be refused with 429. The long ones (8,000 tokens
+/// with `ignore_eos`, on a copy of the tiny model with a long context) last far longer than the
+/// test, which hangs up on them at the end, so the outcome does not hang on timing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_queue_answers_429_and_loses_nothing() {
-    let server = TestServer::tiny(|o| {
-        o.max_batch = 2;
-        o.max_queue = 2;
-    })
-    .await;
-    let requests = (0..24).map(|i| post(&server, chat(json!({"seed": i, "max_tokens": 32}))));
-    let answers = futures::future::join_all(requests).await;
-    let ok = answers.iter().filter(|(s, _)| *s == 200).count();
-    let busy: Vec<&Value> = answers
-        .iter()
-        .filter(|(s, _)| *s == 429)
-        .map(|(_, b)| b)
+    let dir = TempDir::new("long-context");
+    let model = dir.path().join("tiny-long-context");
+    RandomModelSpec {
+        max_position_embeddings: 8192,
+        ..RandomModelSpec::tiny(Architecture::Qwen2)
+    }
+    .write(&model, 7)
+    .unwrap();
+    let options = ServeOptions {
+        model: model.display().to_string(),
+        served_model_name: Some("tiny".into()),
+        art_dir: dir.path().join(".art"),
+        max_batch: 2,
+        max_queue: 2,
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start(options, dir).await;
+    let client = reqwest::Client::new();
+    let mut long_streams = Vec::new();
+    for seed in 0..2 {
+        let body =
+            chat(json!({"seed": seed, "max_tokens": 8000, "ignore_eos": true, "stream": true}));
+        let mut response = client
+            .post(format!("{}/chat/completions", server.base_url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        response.chunk().await.unwrap().expect("a first chunk");
+        long_streams.push(response);
+    }
+    // Of 22 more, two find a place in the queue and wait there; twenty are refused at once.
+    let mut answers: FuturesUnordered<_> = (0..22)
+        .map(|i| post(&server, chat(json!({"seed": i, "max_tokens": 32}))))
         .collect();
-    assert_eq!(
-        ok + busy.len(),
-        24,
-        "every request is answered: {answers:?}"
-    );
-    assert!(ok >= 2 && !busy.is_empty(), "ok {ok}, busy {}", busy.len());
-    assert!(busy
-        .iter()
-        .all(|b| b["error"]["type"] == "rate_limit_error"));
+    for _ in 0..20 {
+        let (status, body) = answers.next().await.unwrap();
+        assert_eq!(status, 429, "{body}");
+        assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+    }
+    // The long completions are still streaming; hanging up cancels them, which frees the batch
+    // for the two that waited: nothing queued is lost.
+    for mut response in long_streams {
+        let chunk = response.chunk().await.unwrap().expect("still streaming");
+        assert!(!String::from_utf8_lossy(&chunk).contains("[DONE]"));
+    }
+    for _ in 0..2 {
+        let (status, body) = answers.next().await.unwrap();
+        assert_eq!(status, 200, "{body}");
+    }
 }
 
 /// 256 concurrent requests: none lost or failed; batching beats sequential requests.

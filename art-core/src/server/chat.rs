@@ -266,6 +266,7 @@ fn sampling_params(
         n,
         logprobs,
         top_logprobs,
+        ignore_eos: request.ignore_eos.unwrap_or(false),
         ..SamplingParams::default()
     })
 }

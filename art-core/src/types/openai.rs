@@ -23,6 +23,10 @@ pub struct ChatCompletionRequest {
     /// Not in OpenAI's API; vLLM and our server accept it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub top_k: Option<i64>,
+    /// Not in OpenAI's API; vLLM and our server accept it: keep sampling past the end-of-sequence
+    /// token until `max_tokens` (benchmarks and load tests want completions of a known length).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignore_eos: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
