@@ -146,16 +146,8 @@ fn pack_b(rhs: Rhs<'_>, n: usize, k: usize, pc: usize, kc: usize, j0: usize, out
         }
         Rhs::NK(b) => {
             for j in 0..NR {
-                if j < width {
-                    let column = &b[(j0 + j) * k + pc..][..kc];
-                    for (p, &value) in column.iter().enumerate() {
-                        out[p * NR + j] = value;
-                    }
-                } else {
-                    for p in 0..kc {
-                        out[p * NR + j] = 0.0;
-                    }
-                }
+                let column = (j < width).then(|| &b[(j0 + j) * k + pc..][..kc]);
+                interleave(column, out, NR, j);
             }
         }
     }
@@ -167,17 +159,19 @@ fn pack_a(a: &[f32], lda: usize, ic: usize, rows: usize, pc: usize, kc: usize, o
     for (r, panel) in out.chunks_exact_mut(kc * MR).enumerate() {
         for i in 0..MR {
             let row = r * MR + i;
-            if row < rows {
-                let values = &a[(ic + row) * lda + pc..][..kc];
-                for (p, &value) in values.iter().enumerate() {
-                    panel[p * MR + i] = value;
-                }
-            } else {
-                for p in 0..kc {
-                    panel[p * MR + i] = 0.0;
-                }
-            }
+            let values = (row < rows).then(|| &a[(ic + row) * lda + pc..][..kc]);
+            interleave(values, panel, MR, i);
         }
+    }
+}
+
+/// Writes `values` (zeros for `None`) to lane `lane` of a panel of `width`-value steps: value `p`
+/// at `panel[p * width + lane]`.
+fn interleave(values: Option<&[f32]>, panel: &mut [f32], width: usize, lane: usize) {
+    let slots = panel[lane..].iter_mut().step_by(width);
+    match values {
+        Some(values) => slots.zip(values).for_each(|(slot, &value)| *slot = value),
+        None => slots.for_each(|slot| *slot = 0.0),
     }
 }
 
