@@ -12,8 +12,7 @@
 //! `--compare` alternates iterations with candle's composite ops (the reference) and with the
 //! engine's fused kernels, and prints the speed-up measured under the same load;
 //! `--compare-checkpointing` alternates the whole graph kept (the reference) with gradient
-//! checkpointing and the hand-written layer backward; `--compare-sgemm` alternates candle's gemm
-//! with our packed CPU product kernel. `--checkpointing on|off` picks one
+//! checkpointing and the hand-written layer backward. `--checkpointing on|off` picks one
 //! (default: the trainer's choice, off on the CPU, on on GPUs).
 //!
 //! Prints tokens/s and the ratio to a reference (`--reference`, default: PyTorch with transformers
@@ -42,7 +41,6 @@ struct Args {
     reference: Option<f64>,
     compare: bool,
     compare_checkpointing: bool,
-    compare_sgemm: bool,
     checkpointing: Option<bool>,
 }
 
@@ -58,7 +56,6 @@ fn parse_args() -> Args {
         reference: None,
         compare: false,
         compare_checkpointing: false,
-        compare_sgemm: false,
         checkpointing: None,
     };
     let mut it = std::env::args().skip(1);
@@ -76,7 +73,6 @@ fn parse_args() -> Args {
             }
             "--compare" => args.compare = true,
             "--compare-checkpointing" => args.compare_checkpointing = true,
-            "--compare-sgemm" => args.compare_sgemm = true,
             "--checkpointing" => {
                 args.checkpointing = match value().as_str() {
                     "on" => Some(true),
@@ -207,16 +203,8 @@ fn main() {
     let mut composite_rates = Vec::new();
     // With --compare, iterations alternate between candle's composite ops (the reference, odd
     // iterations) and the fused kernels (even ones), so that both see the same machine load;
-    // likewise the whole graph and checkpointing with --compare-checkpointing, candle's gemm and
-    // our product kernel with --compare-sgemm.
-    let comparing = args.compare || args.compare_checkpointing || args.compare_sgemm;
-    let (new, old) = if args.compare {
-        ("fused kernels", "candle's composite ops")
-    } else if args.compare_sgemm {
-        ("our product kernel", "candle's gemm")
-    } else {
-        ("checkpointing + layer backward", "the whole graph")
-    };
+    // likewise the whole graph and checkpointing with --compare-checkpointing.
+    let comparing = args.compare || args.compare_checkpointing;
     let total_iters = if comparing {
         2 * args.iters + 1
     } else {
@@ -225,7 +213,6 @@ fn main() {
     for iter in 0..=total_iters {
         let composite = comparing && iter % 2 == 1;
         art_core::engine::set_fused_ops(!(composite && args.compare));
-        art_core::engine::set_cpu_sgemm(!(composite && args.compare_sgemm));
         if args.compare_checkpointing {
             train_config.gradient_checkpointing = Some(!composite);
         }
@@ -260,11 +247,13 @@ fn main() {
         println!(
             "iter {iter}{}: {dt:.2} s, {rate:.0} tok/s",
             if iter == 0 {
-                " (warm-up)".to_string()
+                " (warm-up)"
+            } else if composite && args.compare {
+                " (composite ops)"
             } else if composite {
-                format!(" ({old})")
+                " (whole graph)"
             } else {
-                String::new()
+                ""
             }
         );
         if composite {
@@ -276,6 +265,11 @@ fn main() {
     if comparing {
         let composite = composite_rates.iter().sum::<f64>() / composite_rates.len() as f64;
         let fused = rates.iter().sum::<f64>() / rates.len() as f64;
+        let (new, old) = if args.compare {
+            ("fused kernels", "candle's composite ops")
+        } else {
+            ("checkpointing + layer backward", "the whole graph")
+        };
         println!(
             "{new} {fused:.1} tok/s vs {old} {composite:.1} tok/s: speed-up {:.2}x",
             fused / composite

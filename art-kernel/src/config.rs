@@ -136,7 +136,8 @@ art_kernel_ready().await;
     }
 
     /// Cargo configuration above the build directories: the toolkit and its dependencies are
-    /// compiled optimised, whatever level cells use.
+    /// compiled optimised, whatever level cells use, and without debug assertions (std's
+    /// precondition checks inside every SIMD kernel halved candle's CPU matmul), as in the workspace.
     pub fn write_cargo_config(&self) -> Result<()> {
         let dir = self.cache_dir.join(".cargo");
         std::fs::create_dir_all(&dir)
@@ -144,7 +145,7 @@ art_kernel_ready().await;
         std::fs::write(
             dir.join("config.toml"),
             "# Written by art-kernel: dependencies of notebook cells are compiled once, optimised.\n\
-             [profile.dev.package.\"*\"]\nopt-level = 3\ndebug = false\n",
+             [profile.dev.package.\"*\"]\nopt-level = 3\ndebug = false\ndebug-assertions = false\n",
         )?;
         Ok(())
     }

@@ -17,15 +17,6 @@ use super::switch::EnvSwitch;
 static PACKED_QGEMM: EnvSwitch = EnvSwitch::new("ART_QGEMM");
 /// Our kernel for dense products of a few rows (`ART_SKINNY_MATMUL=0`: candle's gemm).
 static SKINNY_MATMUL: EnvSwitch = EnvSwitch::new("ART_SKINNY_MATMUL");
-/// Our packed kernel for dense products of many rows (`ART_SGEMM=0`: candle's gemm).
-static SGEMM: EnvSwitch = EnvSwitch::new("ART_SGEMM");
-
-/// Turns our packed CPU product kernel (`engine/sgemm.rs`) on (the default, where the CPU has
-/// AVX2 and FMA) or off (candle's gemm runs instead, with the same results up to rounding). For
-/// benchmarks that compare both in one process; `ART_SGEMM=0` sets the default.
-pub fn set_cpu_sgemm(on: bool) {
-    SGEMM.set(on);
-}
 
 /// `y = x W^T + b`, plus `scale * (x A^T) B^T` when a LoRA pair is given.
 #[derive(Debug, Clone)]
@@ -141,7 +132,10 @@ impl Linear {
             // The bias is added inside: as a graph node of its own, candle's backward would
             // fill and keep a full-size gradient for the (constant) broadcast bias.
             _ if x2.track_op() => frozen_matmul(&x2, &self.weight, self.bias.as_ref())?,
-            _ => add_bias(matmul_wt(&x2, &self.weight)?)?,
+            _ => add_bias(match skinny_forward(&x2, &self.weight)? {
+                Some(y) => y,
+                None => x2.matmul(&self.weight.t()?)?,
+            })?,
         };
         if let Some((pair, train)) = lora {
             y = (y + lora_product(&x2, pair, train, lora_scale)?)?;
@@ -207,52 +201,22 @@ pub(crate) fn scaled_pair(
     Ok((a.to_dtype(dtype)?, (b.to_dtype(dtype)? * scale)?))
 }
 
-/// `x W^T` for `x` `[rows, in]` and a weight `W` `[out, in]`: on the CPU by our kernels where
-/// they apply, by candle's matmul elsewhere.
-pub(crate) fn matmul_wt(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
-    match cpu_kernel_product(x, weight, true)? {
-        Some(y) => Ok(y),
-        None => Ok(x.matmul(&weight.t()?)?),
-    }
-}
-
-/// `g W` for `g` `[rows, out]` and a weight `W` `[out, in]` (the input gradient of `x W^T`): on
-/// the CPU by our kernel where it applies, by candle's matmul elsewhere.
-pub(crate) fn matmul_w(grad: &Tensor, weight: &Tensor) -> Result<Tensor> {
-    match cpu_kernel_product(grad, weight, false)? {
-        Some(y) => Ok(y),
-        None => Ok(grad.matmul(weight)?),
-    }
-}
-
-/// `x W^T` (`transposed`) or `x W` for f32 `x` `[rows, k]` and a contiguous f32 weight on an
-/// x86-64 CPU with AVX2 or AVX-512: a few rows (a decoding step) by the skinny kernel, which
-/// reads `W` as it is where gemm would repack all of it first; more by our packed sgemm, about
-/// twice gemm's speed. `None` where neither applies.
-fn cpu_kernel_product(x: &Tensor, weight: &Tensor, transposed: bool) -> Result<Option<Tensor>> {
+/// `x W^T` for a few rows of f32 on a CPU with AVX-512 or AVX2 (a decoding step), with our kernel
+/// instead of gemm, which would repack all of `W` first; `None` where that does not apply.
+fn skinny_forward(x: &Tensor, weight: &Tensor) -> Result<Option<Tensor>> {
     #[cfg(target_arch = "x86_64")]
     {
-        use super::{sgemm, skinny};
-        let (Ok((rows, k)), Ok((w_rows, w_cols))) = (x.dims2(), weight.dims2()) else {
-            return Ok(None);
-        };
-        let (n, w_k) = if transposed {
-            (w_rows, w_cols)
-        } else {
-            (w_cols, w_rows)
-        };
-        let applies = k == w_k
+        use super::skinny;
+        let (rows, k) = x.dims2()?;
+        let n = weight.dims()[0];
+        let applies = rows <= skinny::MAX_ROWS
             && x.dtype() == DType::F32
             && weight.dtype() == DType::F32
             && x.device().is_cpu()
-            && weight.is_contiguous();
+            && weight.is_contiguous()
+            && skinny::available()
+            && SKINNY_MATMUL.on();
         if !applies {
-            return Ok(None);
-        }
-        let skinny =
-            transposed && rows <= skinny::MAX_ROWS && skinny::available() && SKINNY_MATMUL.on();
-        let packed = sgemm::available() && SGEMM.on();
-        if !(skinny || packed) {
             return Ok(None);
         }
         let (w_storage, w_layout) = weight.storage_and_layout();
@@ -260,22 +224,11 @@ fn cpu_kernel_product(x: &Tensor, weight: &Tensor, transposed: bool) -> Result<O
             return Ok(None);
         };
         let ws = &ws[w_layout.start_offset()..][..n * k];
-        cpu_product(x, n, |xs, out| {
-            if skinny {
-                skinny::matmul(xs, ws, rows, n, k, out)
-            } else {
-                let rhs = if transposed {
-                    sgemm::Rhs::NK(ws)
-                } else {
-                    sgemm::Rhs::KN(ws)
-                };
-                sgemm::matmul(xs, rhs, rows, n, k, out)
-            }
-        })
+        cpu_product(x, n, |xs, out| skinny::matmul(xs, ws, rows, n, k, out))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (x, weight, transposed);
+        let _ = (x, weight);
         Ok(None)
     }
 }
@@ -305,7 +258,7 @@ fn cpu_product(
 /// computed without a graph and attached to `x` through a custom op whose backward is only
 /// `grad_x = grad_y W`.
 fn frozen_matmul(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let y = matmul_wt(&x.detach(), weight)?;
+    let y = x.detach().matmul(&weight.t()?)?;
     let y = match bias {
         Some(b) => y.broadcast_add(b)?,
         None => y,
@@ -368,9 +321,7 @@ impl CustomOp1 for FrozenMatmul {
     }
 
     fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        matmul_w(grad, &self.weight)
-            .map(Some)
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))
+        Ok(Some(grad.matmul(&self.weight)?))
     }
 }
 

@@ -40,8 +40,6 @@ pub mod random;
 mod sampler;
 mod scheduler;
 #[cfg(target_arch = "x86_64")]
-mod sgemm;
-#[cfg(target_arch = "x86_64")]
 mod skinny;
 mod switch;
 mod tokenizer;
@@ -60,7 +58,7 @@ pub use constraint::Constraint;
 pub use cuda_sample::{check_device_sampling, set_device_sampling};
 pub use error::{EngineError, Result};
 pub use gpu::{cuda_device, gpu_memory, PeakMemory};
-pub use linear::{set_cpu_sgemm, Linear};
+pub use linear::Linear;
 pub use load::{load, LoadOptions, LoadedModel, ModelSource};
 pub use lora::{LoraAdapter, LoraPair, Proj};
 pub use model::{log_softmax, Forward, KvCache, LayerInputs, Model};

@@ -652,7 +652,7 @@ impl Model {
     /// The gradient of [`Model::logits`]' input (`[N, hidden]`) given the logits' (`[N, vocab]`),
     /// for a trainer that runs the head's backward itself.
     pub fn logits_input_grad(&self, grad: &Tensor) -> Result<Tensor> {
-        super::linear::matmul_w(grad, self.lm_head.weight())
+        Ok(grad.matmul(self.lm_head.weight())?)
     }
 
     fn forward_layers(&self, input_ids: &Tensor, fwd: &Forward) -> Result<Tensor> {

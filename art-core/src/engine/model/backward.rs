@@ -90,7 +90,7 @@ impl Adapted<'_> {
         let weight = self.linear.weight();
         let dx = match sum {
             Some(sum) => add_matmul(sum, dy, weight)?,
-            None => crate::engine::linear::matmul_w(dy, weight)?,
+            None => dy.matmul(weight)?,
         };
         let (Some((a, sb, pair)), Some(xa)) = (&self.lora, &saved.xa) else {
             return Ok(dx);
