@@ -11,8 +11,9 @@ use std::arch::x86_64::*;
 
 use super::ops::Simd;
 
-/// Rows of `x` up to which this is used. SmolLM2's dense decoding at batch 64 ran 1.8x faster
-/// than with gemm (182 vs 99 tok/s); larger products are gemm's ground.
+/// Rows of `x` up to which this is used. SmolLM2's dense decoding at batch 32 ran 1.16x faster
+/// than with gemm on two AVX2 cores (177 vs 153 tok/s; 1.8x at batch 64 when gemm was built with
+/// debug assertions); larger products are gemm's ground.
 pub(crate) const MAX_ROWS: usize = 64;
 /// Input rows per tile.
 const TILE_M: usize = 4;
