@@ -18,6 +18,20 @@ pub enum ArtCoreSource {
     Version(String),
 }
 
+/// The state a kernel's evaluator starts in.
+#[derive(Debug, Clone)]
+pub struct Prelude {
+    /// Cargo dependencies of every cell, `(name, TOML value)`. They resolved when the cache was
+    /// warmed at install, so the kernel adds them without evcxr's `cargo metadata` check.
+    pub dependencies: Vec<(String, String)>,
+    /// The first cell's code.
+    pub code: String,
+    /// Cells' builds never touch the network.
+    pub offline: bool,
+    /// Optimisation of cell code.
+    pub opt_level: String,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct KernelConfig {
     pub art_core: ArtCoreSource,
@@ -79,36 +93,27 @@ impl KernelConfig {
     fn art_core_dep(&self) -> String {
         match &self.art_core {
             ArtCoreSource::Path(path) => {
-                format!(
-                    ":dep art-core = {{ path = {:?} }}",
-                    path.display().to_string()
-                )
+                format!("{{ path = {:?} }}", path.display().to_string())
             }
-            ArtCoreSource::Version(version) => {
-                format!(":dep art-core = {{ version = {version:?} }}")
-            }
+            ArtCoreSource::Version(version) => format!("{{ version = {version:?} }}"),
         }
     }
 
-    /// The first cell every kernel runs: dependencies, imports, and async mode (so that later
-    /// cells can `.await` at top level without a recompile).
-    pub fn prelude(&self) -> String {
-        format!(
-            "\
-:offline {offline}
-:opt {opt}
-{art_core}
-:dep tokio = {TOKIO_DEP}
-:dep serde_json = {{ version = \"1\" }}
-use art_core::*;
-use art_core::display::{{self, DebugDisplay, Display, RichDisplay}};
-async fn art_kernel_ready() {{}}
-art_kernel_ready().await;
-",
-            offline = u8::from(self.offline),
-            opt = self.cell_opt_level,
-            art_core = self.art_core_dep(),
-        )
+    /// What every kernel starts with: dependencies, imports, and cells compiled as async blocks
+    /// that may use `?` (so that neither the prelude nor a first `.await?` cell compiles twice).
+    pub fn prelude(&self) -> Prelude {
+        Prelude {
+            dependencies: vec![
+                ("art-core".into(), self.art_core_dep()),
+                ("tokio".into(), TOKIO_DEP.into()),
+                ("serde_json".into(), r#"{ version = "1" }"#.into()),
+            ],
+            code: "use art_core::*;\n\
+                   use art_core::display::{self, DebugDisplay, Display, RichDisplay};\n"
+                .into(),
+            offline: self.offline,
+            opt_level: self.cell_opt_level.clone(),
+        }
     }
 
     /// Starts a build directory's lockfile from the checkout's `Cargo.lock` (when cells use
@@ -248,7 +253,7 @@ mod tests {
     }
 
     #[test]
-    fn prelude_loads_art_core_tokio_and_async_mode() {
+    fn prelude_loads_art_core_tokio_and_serde_json() {
         let config = KernelConfig {
             art_core: ArtCoreSource::Path("/src/art-core".into()),
             cache_dir: "/tmp/cache".into(),
@@ -257,11 +262,22 @@ mod tests {
             toolchain: None,
         };
         let prelude = config.prelude();
-        assert!(prelude.contains(":dep art-core = { path = \"/src/art-core\" }"));
-        assert!(prelude.contains(":offline 1"));
-        assert!(prelude.contains(":dep tokio = { version = \"1\""));
-        assert!(prelude.contains("use art_core::*;"));
-        assert!(prelude.contains(".await;"));
+        let dependency = |name: &str| {
+            prelude
+                .dependencies
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, value)| value.clone())
+        };
+        assert_eq!(
+            dependency("art-core").as_deref(),
+            Some(r#"{ path = "/src/art-core" }"#)
+        );
+        assert!(dependency("tokio").unwrap().contains("rt-multi-thread"));
+        assert!(dependency("serde_json").is_some());
+        assert!(prelude.code.contains("use art_core::*;"));
+        assert!(prelude.offline);
+        assert_eq!(prelude.opt_level, "0");
         let json = serde_json::to_string(&config).unwrap();
         assert!(json.contains(r#""art_core":{"path":"/src/art-core"}"#));
     }

@@ -12,6 +12,7 @@ use crossbeam_channel::{Receiver, Select, Sender};
 use evcxr::{CommandContext, EvalContext, EvalContextOutputs};
 
 use crate::child::CELL_FAILED;
+use crate::config::Prelude;
 use crate::protocol::{
     Bundle, Completions, Engine, ErrorReport, Interrupter, LanguageDescription, Output, OutputSink,
 };
@@ -27,8 +28,11 @@ pub struct EvcxrEngine {
 
 impl EvcxrEngine {
     /// Starts the evaluation context (in the build directory named by `EVCXR_TMPDIR`) and runs
-    /// `prelude`. Output of the child process goes to `sink`.
-    pub fn start(prelude: &str, sink: OutputSink) -> Result<Self> {
+    /// `prelude`: one compile, with its dependencies taken as resolved and async mode on. Output
+    /// of the child process goes to `sink`. rust-analyzer starts on its first question in the
+    /// background meanwhile (evcxr, patched): only a later cell that uses a variable whose type
+    /// it has not answered yet waits for it.
+    pub fn start(prelude: &Prelude, sink: OutputSink) -> Result<Self> {
         let started = std::time::Instant::now();
         let mut command = Command::new(std::env::current_exe()?);
         // The child that runs cells gets its own process group: a SIGINT sent to the kernel's
@@ -46,28 +50,41 @@ impl EvcxrEngine {
             }
             command.env("LD_LIBRARY_PATH", path);
         }
-        let (eval, outputs) = EvalContext::with_subprocess_command(command)
+        let (mut eval, outputs) = EvalContext::with_subprocess_command_without_initial_eval(command)
             .map_err(|e| anyhow!("cannot start the Rust evaluator: {e}"))?;
         eprintln!("art-kernel: evaluator started in {:.1?}", started.elapsed());
+        let question_mark_failed = Arc::new(AtomicBool::new(false));
+        let pump = Pump::spawn(outputs, sink.clone(), question_mark_failed.clone());
+        let mut state = eval.state();
+        state.set_offline_mode(prelude.offline);
+        state.set_opt_level(&prelude.opt_level)?;
+        state.set_async_mode(true);
+        state.set_allow_question_mark(true);
+        for (name, value) in &prelude.dependencies {
+            state.add_dep_without_validation(name, value)?;
+        }
+        let result = eval.eval_with_state(&prelude.code, state);
+        pump.flush();
+        result.map_err(|error| {
+            anyhow!(
+                "the prelude failed:\n{}",
+                error_report(&error, &prelude.code).traceback.join("\n")
+            )
+        })?;
+        eprintln!("art-kernel: prelude done in {:.1?}", started.elapsed());
         let context = CommandContext::with_eval_context(eval);
         let control = Arc::new(Control {
             executing: AtomicBool::new(false),
             interrupted: AtomicBool::new(false),
             child: context.process_handle(),
         });
-        let question_mark_failed = Arc::new(AtomicBool::new(false));
-        let mut engine = EvcxrEngine {
-            pump: Pump::spawn(outputs, sink.clone(), question_mark_failed.clone()),
+        Ok(EvcxrEngine {
+            pump,
             context,
             control,
             question_mark_failed,
             sink,
-        };
-        engine
-            .execute(prelude)
-            .map_err(|report| anyhow!("the prelude failed:\n{}", report.traceback.join("\n")))?;
-        eprintln!("art-kernel: prelude done in {:.1?}", started.elapsed());
-        Ok(engine)
+        })
     }
 
     /// After an interrupt the child may have been killed between evcxr's checks; evcxr restarts it
@@ -165,23 +182,6 @@ impl Engine for EvcxrEngine {
 
     fn interrupter(&self) -> Arc<dyn Interrupter> {
         self.control.clone()
-    }
-
-    /// evcxr asks rust-analyzer for the type of every variable a cell defines. The first such
-    /// question indexes the trait impls and lang items of every crate in the cells' dependency
-    /// graph (~11 s for art-core's, BENCHMARKS.md "Notebook kernel"). A completion needs the same
-    /// index and neither runs nor defines anything: asking for one while the user reads the
-    /// notebook makes their first `let` cell take ~1 s instead of ~13 s.
-    fn warm_up(&mut self) {
-        const CODE: &str = "let art_kernel_warm_up = 1u8; art_kernel_warm_up.";
-        let started = std::time::Instant::now();
-        match self.context.completions(CODE, CODE.len()) {
-            Ok(_) => eprintln!(
-                "art-kernel: analysis warmed up in {:.1?}",
-                started.elapsed()
-            ),
-            Err(error) => eprintln!("art-kernel: analysis warm-up failed: {error}"),
-        }
     }
 }
 

@@ -85,10 +85,6 @@ pub trait Engine: Send + 'static {
 
     /// A handle that stops the running execution.
     fn interrupter(&self) -> Arc<dyn Interrupter>;
-
-    /// Work done once, right after the engine starts and the kernel reports itself ready, that
-    /// makes later requests faster. Requests that arrive meanwhile wait for it.
-    fn warm_up(&mut self) {}
 }
 
 /// Stops a running execution from another thread.

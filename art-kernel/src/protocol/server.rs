@@ -3,7 +3,6 @@
 //! cell runs, and SIGINT interrupts like `interrupt_request` does.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use anyhow::{bail, Context, Result};
@@ -33,9 +32,6 @@ struct Kernel {
     parent: Mutex<Option<JupyterMessage>>,
     language: LanguageDescription,
     interrupter: OnceLock<Arc<dyn Interrupter>>,
-    /// A cell was sent before the engine was ready ("Run All" right after opening): it does the
-    /// engine's warm-up work itself, so the warm-up is skipped rather than run in front of it.
-    cell_requested: AtomicBool,
 }
 
 impl Kernel {
@@ -182,7 +178,6 @@ where
         parent: Mutex::new(None),
         language,
         interrupter: OnceLock::new(),
-        cell_requested: AtomicBool::new(false),
     });
 
     tokio::spawn(async move {
@@ -233,16 +228,7 @@ where
         tokio::task::spawn_blocking(move || match start_engine(sink) {
             Ok(engine) => {
                 let _ = kernel.interrupter.set(engine.interrupter());
-                let engine = Arc::new(Mutex::new(engine));
-                // The kernel is ready now; the warm-up holds the engine, so a cell sent meanwhile
-                // waits for it instead of racing it.
-                let mut warming = engine.lock().unwrap_or_else(|e| e.into_inner());
-                let _ = engine_tx.send(Ok(engine.clone()));
-                if kernel.cell_requested.load(Ordering::SeqCst) {
-                    eprintln!("art-kernel: no warm-up, a cell came first");
-                } else {
-                    warming.warm_up();
-                }
+                let _ = engine_tx.send(Ok(Arc::new(Mutex::new(engine))));
             }
             Err(error) => {
                 let _ = engine_tx.send(Err(format!("{error:#}")));
@@ -428,7 +414,6 @@ async fn handle_shell<E: Engine>(
             ShellAction::Reply(kernel.kernel_info().into())
         }
         JupyterMessageContent::ExecuteRequest(execute) => {
-            kernel.cell_requested.store(true, Ordering::SeqCst);
             let silent = execute.silent;
             if !silent {
                 state.execution_count += 1;
