@@ -23,8 +23,8 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
 fi
 
 CARGO_HOME="${CARGO_HOME:-$HOME/.cargo}"
-find_crate() {
-  ls "$CARGO_HOME"/registry/cache/*/"$NAME-$VERSION.crate" 2>/dev/null | head -n 1
+find_crate() { # the crate file in cargo's download cache, or nothing
+  ls "$CARGO_HOME"/registry/cache/*/"$NAME-$VERSION.crate" 2>/dev/null | head -n 1 || true
 }
 crate="$(find_crate)"
 TMP="$(mktemp -d)"

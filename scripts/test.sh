@@ -5,6 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 scripts/fetch-models.sh
+scripts/patch-crates.sh
 scripts/setup-python.sh
 export ART_TEST_PYTHON="$ROOT/.venv/bin/python"
 export ART_MODELS_DIR="$ROOT/models"

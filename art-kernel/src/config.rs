@@ -30,6 +30,8 @@ pub struct Prelude {
     pub offline: bool,
     /// Optimisation of cell code.
     pub opt_level: String,
+    /// The linker (`None`: the one evcxr finds, when the cache is first warmed).
+    pub linker: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -45,6 +47,15 @@ pub struct KernelConfig {
     /// warm cache and every kernel start agree (`None` outside rustup).
     #[serde(default)]
     pub toolchain: Option<String>,
+    /// The linker cells are linked with, chosen when the cache was warmed (evcxr takes lld or
+    /// mold where installed). Kept fixed because it is part of every dependency's compiler
+    /// flags: installing lld later would otherwise recompile the whole cache at the next start.
+    #[serde(default = "system_linker")]
+    pub linker: String,
+}
+
+fn system_linker() -> String {
+    "system".into()
 }
 
 /// The features of tokio cells get (what top-level `.await` and art-core need).
@@ -60,6 +71,7 @@ impl KernelConfig {
             cell_opt_level: "0".into(),
             offline: false,
             toolchain: option_env!("RUSTUP_TOOLCHAIN").map(str::to_string),
+            linker: system_linker(),
         }
     }
 
@@ -113,6 +125,7 @@ impl KernelConfig {
                 .into(),
             offline: self.offline,
             opt_level: self.cell_opt_level.clone(),
+            linker: Some(self.linker.clone()),
         }
     }
 
@@ -260,6 +273,7 @@ mod tests {
             cell_opt_level: "0".into(),
             offline: true,
             toolchain: None,
+            linker: "system".into(),
         };
         let prelude = config.prelude();
         let dependency = |name: &str| {
@@ -296,6 +310,7 @@ mod tests {
             cell_opt_level: "0".into(),
             offline: true,
             toolchain: None,
+            linker: "system".into(),
         };
         config.seed_lockfile(&root.join("slot"));
         assert_eq!(

@@ -18,6 +18,8 @@ use crate::protocol::{
 };
 
 pub struct EvcxrEngine {
+    /// The linker the prelude linked with.
+    pub linker: String,
     context: CommandContext,
     pump: Pump,
     control: Arc<Control>,
@@ -60,10 +62,18 @@ impl EvcxrEngine {
         state.set_opt_level(&prelude.opt_level)?;
         state.set_async_mode(true);
         state.set_allow_question_mark(true);
+        if let Some(linker) = &prelude.linker {
+            state.set_linker(linker.clone());
+        }
         for (name, value) in &prelude.dependencies {
             state.add_dep_without_validation(name, value)?;
         }
-        let result = eval.eval_with_state(&prelude.code, state);
+        let mut result = eval.eval_with_state(&prelude.code, state.clone());
+        if result.is_err() && state.linker() != "system" {
+            // evcxr picks lld or mold where installed; fall back to the system's linker.
+            state.set_linker("system".into());
+            result = eval.eval_with_state(&prelude.code, state);
+        }
         pump.flush();
         result.map_err(|error| {
             anyhow!(
@@ -72,6 +82,7 @@ impl EvcxrEngine {
             )
         })?;
         eprintln!("art-kernel: prelude done in {:.1?}", started.elapsed());
+        let linker = eval.state().linker().to_string();
         let context = CommandContext::with_eval_context(eval);
         let control = Arc::new(Control {
             executing: AtomicBool::new(false),
@@ -79,6 +90,7 @@ impl EvcxrEngine {
             child: context.process_handle(),
         });
         Ok(EvcxrEngine {
+            linker,
             pump,
             context,
             control,

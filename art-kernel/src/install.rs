@@ -82,8 +82,12 @@ pub fn install(mut options: InstallOptions) -> Result<()> {
             "Warming the build cache in {} (the first time compiles art-core and its dependencies: minutes)...",
             options.config.cache_dir.display()
         );
-        warm(&options.config)?;
-        println!("Cache warm in {:.1}s.", started.elapsed().as_secs_f64());
+        options.config.linker = warm(&options.config)?;
+        println!(
+            "Cache warm in {:.1}s (cells link with the {} linker).",
+            started.elapsed().as_secs_f64(),
+            options.config.linker
+        );
         options.config.offline = true;
     }
     let spec_dir = options.location.kernels_dir()?.join(KERNEL_NAME);
@@ -151,8 +155,9 @@ pub fn set_engine_env(config: &KernelConfig, slot: &Path) {
     config.seed_lockfile(slot);
 }
 
-/// Compiles the prelude and a cell using the displays once, in the first free build slot.
-fn warm(config: &KernelConfig) -> Result<()> {
+/// Compiles the prelude and a cell using the displays once, in the first free build slot, with
+/// the linker evcxr finds; returns the linker that worked.
+fn warm(config: &KernelConfig) -> Result<String> {
     config.write_cargo_config()?;
     let slot = acquire_slot(&config.cache_dir)?;
     set_engine_env(config, &slot.dir);
@@ -162,12 +167,81 @@ fn warm(config: &KernelConfig) -> Result<()> {
     });
     let mut warm_config = config.clone();
     warm_config.offline = false;
-    let mut engine = EvcxrEngine::start(&warm_config.prelude(), sink)?;
+    let progress = Progress::start(&slot.dir);
+    let mut prelude = warm_config.prelude();
+    prelude.linker = None;
+    let mut engine = EvcxrEngine::start(&prelude, sink)?;
     engine.execute(WARM_CELL).map_err(|report| {
         anyhow::anyhow!("the warm-up cell failed:\n{}", report.traceback.join("\n"))
     })?;
     engine.interrupter().shutdown();
-    Ok(())
+    progress.finish();
+    Ok(engine.linker.clone())
+}
+
+/// A line every few seconds while the cache warms: how many of the cells' crates are compiled.
+struct Progress {
+    done: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Progress {
+    const EVERY: std::time::Duration = std::time::Duration::from_secs(15);
+
+    fn start(slot: &Path) -> Progress {
+        let (done, finished) = std::sync::mpsc::channel();
+        let slot = slot.to_path_buf();
+        let started = Instant::now();
+        let thread = std::thread::spawn(move || {
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                finished.recv_timeout(Self::EVERY)
+            {
+                let total = locked_packages(&slot)
+                    .map(|n| format!(" of ~{n}"))
+                    .unwrap_or_default();
+                println!(
+                    "art-kernel install: {}{total} crates compiled for notebook cells ({:.0} s)",
+                    compiled_crates(&slot),
+                    started.elapsed().as_secs_f64()
+                );
+            }
+        });
+        Progress { done, thread }
+    }
+
+    fn finish(self) {
+        let _ = self.done.send(());
+        let _ = self.thread.join();
+    }
+}
+
+/// Crates with a compiled library in the slot: for the cells' target triple, and for the host
+/// (proc macros).
+fn compiled_crates(slot: &Path) -> usize {
+    let target = slot.join("target");
+    let mut deps_dirs = vec![target.join("debug/deps")];
+    if let Ok(triples) = std::fs::read_dir(&target) {
+        deps_dirs.extend(triples.flatten().map(|t| t.path().join("debug/deps")));
+    }
+    let mut crates = std::collections::HashSet::new();
+    for dir in deps_dirs {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !(name.ends_with(".rlib") || name.ends_with(".so")) {
+                continue;
+            }
+            if let Some((crate_name, _hash)) = name.strip_prefix("lib").and_then(|n| n.rsplit_once('-')) {
+                crates.insert(crate_name.to_string());
+            }
+        }
+    }
+    crates.len()
+}
+
+/// Packages in the slot's lockfile (once cargo has resolved them).
+fn locked_packages(slot: &Path) -> Option<usize> {
+    let lock = std::fs::read_to_string(slot.join("Cargo.lock")).ok()?;
+    Some(lock.matches("[[package]]").count())
 }
 
 /// Touches what notebooks use first, so their first cells find it compiled.

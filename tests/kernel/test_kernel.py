@@ -1,7 +1,8 @@
 """Drives the ART kernel headless through jupyter_client, as a notebook front end would.
 
-Run: ART_KERNEL_BIN=target/debug/art-kernel python tests/kernel/test_kernel.py
-(`cargo test -p art-kernel` runs it with the interpreter named by ART_TEST_PYTHON.)
+Run: ART_KERNEL_BIN=target/debug/art-kernel python tests/kernel/test_kernel.py [--start-up]
+(`cargo test -p art-kernel` runs it with the interpreter named by ART_TEST_PYTHON; `--start-up`
+measures the start-up alone, without the tests.)
 
 The kernelspec is installed into a temporary prefix; the build cache is the kernel's usual one
 (ART_KERNEL_CACHE or ~/.cache/art-kernel), so a cold machine spends minutes in the install step.
@@ -508,6 +509,16 @@ def main():
     if not os.path.exists(KERNEL_BIN):
         print(f"no kernel binary at {KERNEL_BIN}", file=sys.stderr)
         return 2
+    if sys.argv[1:] == ["--start-up"]:
+        # The start-up figures alone (BENCHMARKS.md, "Notebook kernel"): install, three starts.
+        prefix = tempfile.mkdtemp(prefix="art-kernel-bench-")
+        subprocess.run([KERNEL_BIN, "install", "--prefix", prefix], check=True)
+        os.environ["JUPYTER_PATH"] = os.path.join(prefix, "share", "jupyter")
+        measure_start_up()
+        shutil.rmtree(prefix, ignore_errors=True)
+        print("Start-up, median of 3 starts (seconds):")
+        print(start_up_summary())
+        return 0
     suite = unittest.TestLoader().loadTestsFromTestCase(KernelTest)
     result = unittest.TextTestRunner(verbosity=2).run(suite)
     if KERNEL is not None:
