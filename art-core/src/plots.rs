@@ -8,6 +8,7 @@
 use std::sync::OnceLock;
 
 use plotters::coord::Shift;
+use plotters::element::ErrorBar;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
@@ -28,8 +29,27 @@ const PALETTE: [RGBColor; 6] = [
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
 ];
-const GRID: RGBColor = RGBColor(225, 225, 225);
-const AXIS: RGBColor = RGBColor(90, 90, 90);
+/// Text, axes and grid: a mid grey that reads on white and on a dark notebook alike. Charts have
+/// no background of their own (SVG and notebook PNG are transparent), so a dark theme shows
+/// through instead of a white box.
+const INK: RGBColor = RGBColor(128, 128, 128);
+const AXIS: RGBColor = INK;
+/// Notebook PNGs are drawn at twice their size and shown at their size: sharp on HiDPI screens.
+const PNG_SCALE: u32 = 2;
+
+/// Pixel sizes of one rendering (fonts, margins, strokes), multiplied for a HiDPI PNG.
+#[derive(Debug, Clone, Copy)]
+struct Scale(f64);
+
+impl Scale {
+    fn px(self, v: f64) -> u32 {
+        (v * self.0).round() as u32
+    }
+
+    fn font(self, size: f64) -> FontDesc<'static> {
+        (FAMILY, size * self.0).into_font()
+    }
+}
 
 /// What went wrong rendering a chart.
 #[derive(Debug, thiserror::Error)]
@@ -109,44 +129,68 @@ impl Chart {
         }
     }
 
-    /// The chart as an SVG document.
+    /// The chart as an SVG document, on a transparent background.
     pub fn to_svg(&self) -> Result<String, PlotError> {
         ensure_font()?;
         let mut svg = String::new();
         {
             let root =
                 SVGBackend::with_string(&mut svg, (self.width, self.height)).into_drawing_area();
-            self.draw(&root).map_err(draw_error)?;
+            self.draw(&root, Scale(1.0)).map_err(draw_error)?;
             root.present().map_err(draw_error)?;
         }
         Ok(svg)
     }
 
-    /// The chart as PNG bytes (RGB).
+    /// The chart as PNG bytes (RGB, on white, at its size): for files and reports.
     pub fn to_png(&self) -> Result<Vec<u8>, PlotError> {
-        ensure_font()?;
-        let (w, h) = (self.width, self.height);
-        let mut rgb = vec![0u8; w as usize * h as usize * 3];
-        {
-            let root = BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area();
-            self.draw(&root).map_err(draw_error)?;
-            root.present().map_err(draw_error)?;
-        }
-        encode_png(&rgb, w, h).map_err(|e| PlotError::Png(e.to_string()))
+        let rgb = self.raster(1, 255)?;
+        encode_png(&rgb, self.width, self.height, png::ColorType::Rgb)
+            .map_err(|e| PlotError::Png(e.to_string()))
     }
 
-    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>) -> DrawResult<DB> {
-        root.fill(&WHITE)?;
+    /// The chart as PNG bytes (RGBA) at `scale` times its size, on a transparent background:
+    /// what a notebook shows, in a light or a dark theme, sharp on HiDPI screens at `scale` 2.
+    pub fn to_transparent_png(&self, scale: u32) -> Result<Vec<u8>, PlotError> {
+        let scale = scale.max(1);
+        // Drawn once on white and once on black: a pixel's difference between the two is how
+        // transparent it is (plotters' bitmaps have no alpha channel).
+        let (on_white, on_black) = (self.raster(scale, 255)?, self.raster(scale, 0)?);
+        let rgba = unmix_backgrounds(&on_white, &on_black);
+        encode_png(
+            &rgba,
+            self.width * scale,
+            self.height * scale,
+            png::ColorType::Rgba,
+        )
+        .map_err(|e| PlotError::Png(e.to_string()))
+    }
+
+    /// RGB pixels at `scale` times the chart's size, drawn over a `background` grey level.
+    fn raster(&self, scale: u32, background: u8) -> Result<Vec<u8>, PlotError> {
+        ensure_font()?;
+        let (w, h) = (self.width * scale, self.height * scale);
+        let mut rgb = vec![background; w as usize * h as usize * 3];
+        {
+            let root = BitMapBackend::with_buffer(&mut rgb, (w, h)).into_drawing_area();
+            self.draw(&root, Scale(f64::from(scale)))
+                .map_err(draw_error)?;
+            root.present().map_err(draw_error)?;
+        }
+        Ok(rgb)
+    }
+
+    fn draw<DB: DrawingBackend>(&self, root: &DrawingArea<DB, Shift>, s: Scale) -> DrawResult<DB> {
         match &self.body {
-            Body::Lines(lines) => self.draw_lines(root, lines),
-            Body::Strips(groups) => self.draw_strips(root, groups),
+            Body::Lines(lines) => self.draw_lines(root, lines, s),
+            Body::Strips(groups) => self.draw_strips(root, groups, s),
             Body::Panels(panels) => {
-                let inner = root.titled(&self.title, (FAMILY, 22).into_font().color(&BLACK))?;
+                let inner = root.titled(&self.title, s.font(22.0).color(&INK))?;
                 let areas = inner.split_evenly((1, panels.len().max(1)));
                 for (panel, area) in panels.iter().zip(&areas) {
                     match &panel.body {
-                        Body::Lines(lines) => panel.draw_lines(area, lines)?,
-                        Body::Strips(groups) => panel.draw_strips(area, groups)?,
+                        Body::Lines(lines) => panel.draw_lines(area, lines, s)?,
+                        Body::Strips(groups) => panel.draw_strips(area, groups, s)?,
                         Body::Panels(_) => {}
                     }
                 }
@@ -159,6 +203,7 @@ impl Chart {
         &self,
         area: &DrawingArea<DB, Shift>,
         lines: &[Line],
+        s: Scale,
     ) -> DrawResult<DB> {
         let xs = lines.iter().flat_map(|l| l.points.iter().map(|p| p.0));
         let ys = lines.iter().flat_map(|l| {
@@ -168,15 +213,15 @@ impl Chart {
         let (x0, x1) = padded_range(xs, 0.5, 0.0);
         let (y0, y1) = padded_range(ys, 0.0, 0.08);
         let mut chart = ChartBuilder::on(area)
-            .caption(&self.title, (FAMILY, 20).into_font().color(&BLACK))
-            .margin(12)
-            .x_label_area_size(42)
-            .y_label_area_size(60)
+            .caption(&self.title, s.font(20.0).color(&INK))
+            .margin(s.px(12.0))
+            .x_label_area_size(s.px(42.0))
+            .y_label_area_size(s.px(60.0))
             .build_cartesian_2d(x0..x1, y0..y1)?;
         chart
             .configure_mesh()
-            .light_line_style(WHITE)
-            .bold_line_style(GRID)
+            .light_line_style(TRANSPARENT)
+            .bold_line_style(INK.mix(0.25))
             .axis_style(AXIS)
             .x_desc(&self.x_label)
             .y_desc(&self.y_label)
@@ -184,45 +229,80 @@ impl Chart {
             .y_labels(8)
             .x_label_formatter(&integer_label)
             .y_label_formatter(&|y| short_number(*y))
-            .label_style((FAMILY, 13).into_font().color(&AXIS))
-            .axis_desc_style((FAMILY, 15).into_font().color(&BLACK))
+            .label_style(s.font(13.0).color(&AXIS))
+            .axis_desc_style(s.font(15.0).color(&INK))
             .draw()?;
+        let legend_len = s.px(22.0) as i32;
+        let half = s.px(5.0) as i32;
         for (i, line) in lines.iter().enumerate() {
             let color = PALETTE[i % PALETTE.len()];
-            if let Some(band) = &line.band {
-                let upper = band.iter().map(|b| (b.0, b.2));
-                let lower = band.iter().rev().map(|b| (b.0, b.1));
-                chart.draw_series(std::iter::once(Polygon::new(
-                    upper.chain(lower).collect::<Vec<_>>(),
-                    color.mix(0.18).filled(),
-                )))?;
+            match &line.band {
+                // A band is filled where it has points enough to outline a shape: between two
+                // points far apart it is a wedge across the chart, so sparse ones (a
+                // validation before and after training) get error bars.
+                Some(band) if band.len() >= 3 => {
+                    let upper = band.iter().map(|b| (b.0, b.2));
+                    let lower = band.iter().rev().map(|b| (b.0, b.1));
+                    chart
+                        .draw_series(std::iter::once(Polygon::new(
+                            upper.chain(lower).collect::<Vec<_>>(),
+                            color.mix(0.18).filled(),
+                        )))?
+                        .label(format!("{} ± std", line.name))
+                        .legend(move |(x, y)| {
+                            Rectangle::new(
+                                [(x, y - half), (x + legend_len, y + half)],
+                                color.mix(0.18).filled(),
+                            )
+                        });
+                }
+                Some(band) => {
+                    let style = color.mix(0.6).stroke_width(s.px(2.0));
+                    chart
+                        .draw_series(band.iter().map(|&(x, lo, hi)| {
+                            let mid = line
+                                .points
+                                .iter()
+                                .find(|p| p.0 == x)
+                                .map_or((lo + hi) / 2.0, |p| p.1);
+                            ErrorBar::new_vertical(x, lo, mid, hi, style, s.px(10.0))
+                        }))?
+                        .label(format!("{} ± std", line.name))
+                        .legend(move |(x, y)| {
+                            let x = x + legend_len / 2;
+                            PathElement::new(vec![(x, y - half), (x, y + half)], style)
+                        });
+                }
+                None => {}
             }
             chart
                 .draw_series(LineSeries::new(
                     line.points.iter().copied(),
-                    color.stroke_width(2),
+                    color.stroke_width(s.px(2.0)),
                 ))?
                 .label(line.name.clone())
                 .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 22, y)], color.stroke_width(3))
+                    PathElement::new(vec![(x, y), (x + legend_len, y)], color.stroke_width(3))
                 });
             // Markers, so that a single logged step is visible too.
             chart.draw_series(
                 line.points
                     .iter()
-                    .map(|&p| Circle::new(p, 3, color.filled())),
+                    .map(|&p| Circle::new(p, s.px(3.0), color.filled())),
             )?;
         }
         if lines.iter().all(|l| l.points.is_empty()) {
-            no_data(area)?;
-        } else if lines.len() > 1 {
-            // A single line needs no legend: the title and axis say what it is.
+            no_data(area, s)?;
+        } else if lines.len() > 1 || lines.iter().any(|l| l.band.is_some()) {
+            // A single line without a band needs no legend: the title and axis say what it is.
             chart
                 .configure_series_labels()
                 .position(legend_corner(lines, (x0, x1), (y0, y1)))
-                .background_style(WHITE.mix(0.85))
-                .border_style(GRID)
-                .label_font((FAMILY, 14).into_font().color(&BLACK))
+                .margin(s.px(10.0))
+                .legend_area_size(s.px(30.0))
+                .background_style(INK.mix(0.12))
+                .border_style(INK.mix(0.4))
+                .label_font(s.font(14.0).color(&INK))
                 .draw()?;
         }
         Ok(())
@@ -232,20 +312,21 @@ impl Chart {
         &self,
         area: &DrawingArea<DB, Shift>,
         groups: &[Vec<f64>],
+        s: Scale,
     ) -> DrawResult<DB> {
         let n = groups.len();
         let (x0, x1) = (-0.6, n.max(1) as f64 - 0.4);
         let (y0, y1) = padded_range(groups.iter().flatten().copied(), 0.0, 0.08);
         let mut chart = ChartBuilder::on(area)
-            .caption(&self.title, (FAMILY, 20).into_font().color(&BLACK))
-            .margin(12)
-            .x_label_area_size(42)
-            .y_label_area_size(60)
+            .caption(&self.title, s.font(20.0).color(&INK))
+            .margin(s.px(12.0))
+            .x_label_area_size(s.px(42.0))
+            .y_label_area_size(s.px(60.0))
             .build_cartesian_2d(x0..x1, y0..y1)?;
         chart
             .configure_mesh()
-            .light_line_style(WHITE)
-            .bold_line_style(GRID)
+            .light_line_style(TRANSPARENT)
+            .bold_line_style(INK.mix(0.25))
             .axis_style(AXIS)
             .disable_x_mesh()
             .x_desc(&self.x_label)
@@ -254,8 +335,8 @@ impl Chart {
             .y_labels(8)
             .x_label_formatter(&integer_label)
             .y_label_formatter(&|y| short_number(*y))
-            .label_style((FAMILY, 13).into_font().color(&AXIS))
-            .axis_desc_style((FAMILY, 15).into_font().color(&BLACK))
+            .label_style(s.font(13.0).color(&AXIS))
+            .axis_desc_style(s.font(15.0).color(&INK))
             .draw()?;
         let dot = PALETTE[0];
         let mean_color = PALETTE[3];
@@ -285,7 +366,7 @@ impl Chart {
                 let g = g as f64;
                 PathElement::new(
                     vec![(g - 0.35, mean), (g + 0.35, mean)],
-                    mean_color.stroke_width(3),
+                    mean_color.stroke_width(s.px(3.0)),
                 )
             });
         // No legend box: wherever it sits it can cover points (rewards fill the whole range);
@@ -294,10 +375,10 @@ impl Chart {
         chart.draw_series(
             points
                 .iter()
-                .map(|&p| Circle::new(p, 4, dot.mix(0.7).filled())),
+                .map(|&p| Circle::new(p, s.px(4.0), dot.mix(0.7).filled())),
         )?;
         if points.is_empty() {
-            no_data(area)?;
+            no_data(area, s)?;
         }
         Ok(())
     }
@@ -339,13 +420,42 @@ fn ensure_font() -> Result<(), PlotError> {
         .map_err(PlotError::Font)
 }
 
-fn encode_png(rgb: &[u8], width: u32, height: u32) -> Result<Vec<u8>, png::EncodingError> {
+/// RGBA pixels from the same drawing over white and over black: where the two differ by `d`
+/// the drawing covers `1 - d/255` of the pixel, and its colour is the black rendering divided by
+/// that coverage (compositing `c·a + bg·(1-a)` solved for `a` and `c`).
+fn unmix_backgrounds(on_white: &[u8], on_black: &[u8]) -> Vec<u8> {
+    let mut rgba = Vec::with_capacity(on_white.len() / 3 * 4);
+    for (w, b) in on_white.chunks_exact(3).zip(on_black.chunks_exact(3)) {
+        let diff = (0..3)
+            .map(|i| i32::from(w[i]) - i32::from(b[i]))
+            .max()
+            .unwrap_or(0);
+        let alpha = (255 - diff).clamp(0, 255);
+        for &c in b {
+            let straight = if alpha == 0 {
+                0
+            } else {
+                i32::from(c) * 255 / alpha
+            };
+            rgba.push(straight.clamp(0, 255) as u8);
+        }
+        rgba.push(alpha as u8);
+    }
+    rgba
+}
+
+fn encode_png(
+    pixels: &[u8],
+    width: u32,
+    height: u32,
+    color: png::ColorType,
+) -> Result<Vec<u8>, png::EncodingError> {
     let mut out = Vec::new();
     let mut encoder = png::Encoder::new(&mut out, width, height);
-    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_color(color);
     encoder.set_depth(png::BitDepth::Eight);
     let mut writer = encoder.write_header()?;
-    writer.write_image_data(rgb)?;
+    writer.write_image_data(pixels)?;
     writer.finish()?;
     Ok(out)
 }
@@ -354,10 +464,10 @@ fn draw_error<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) ->
     PlotError::Draw(e.to_string())
 }
 
-fn no_data<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>) -> DrawResult<DB> {
+fn no_data<DB: DrawingBackend>(area: &DrawingArea<DB, Shift>, s: Scale) -> DrawResult<DB> {
     let (w, h) = area.dim_in_pixel();
-    let style = (FAMILY, 18)
-        .into_font()
+    let style = s
+        .font(18.0)
         .color(&AXIS)
         .pos(plotters::style::text_anchor::Pos::new(
             plotters::style::text_anchor::HPos::Center,
@@ -422,20 +532,31 @@ fn splits_with(history: &[HistoryEntry], metric: &str) -> Vec<String> {
 }
 
 /// One line per split that logged `metric`, by step (several entries at one step are averaged),
-/// with a band of ± `<metric>_std` where that was logged too.
+/// with a band of ± `<metric>_std` where that was logged too, kept within the values' own
+/// `<metric>_min` and `<metric>_max` where those were logged (rewards in [0, 1] with a std of
+/// 0.45 must not draw a band down to -0.2).
 fn metric_lines(history: &[HistoryEntry], metric: &str) -> Vec<Line> {
     let std_name = format!("{metric}_std");
+    let (min_name, max_name) = (format!("{metric}_min"), format!("{metric}_max"));
     splits_with(history, metric)
         .into_iter()
         .map(|split| {
             let mut by_step: std::collections::BTreeMap<u64, (f64, f64, usize)> =
                 Default::default();
+            let mut bounds: std::collections::BTreeMap<u64, (f64, f64)> = Default::default();
             for entry in history.iter().filter(|e| e.split == split) {
                 if let Some(value) = entry.get(metric) {
                     let slot = by_step.entry(entry.step).or_default();
                     slot.0 += value;
                     slot.1 += entry.get(&std_name).unwrap_or(f64::NAN);
                     slot.2 += 1;
+                    let bound = bounds
+                        .entry(entry.step)
+                        .or_insert((f64::INFINITY, f64::NEG_INFINITY));
+                    bound.0 = bound
+                        .0
+                        .min(entry.get(&min_name).unwrap_or(f64::NEG_INFINITY));
+                    bound.1 = bound.1.max(entry.get(&max_name).unwrap_or(f64::INFINITY));
                 }
             }
             let points: Vec<(f64, f64)> = by_step
@@ -447,7 +568,8 @@ fn metric_lines(history: &[HistoryEntry], metric: &str) -> Vec<Line> {
                 .filter(|(_, (_, std, _))| std.is_finite())
                 .map(|(&s, &(sum, std, n))| {
                     let (mean, std) = (sum / n as f64, std / n as f64);
-                    (s as f64, mean - std, mean + std)
+                    let (lo, hi) = bounds[&s];
+                    (s as f64, (mean - std).max(lo), (mean + std).min(hi))
                 })
                 .collect();
             let name = if split.is_empty() {
@@ -521,11 +643,20 @@ impl crate::display::Render for Chart {
     /// shows why instead.
     fn render(&self) -> crate::display::MimeBundle {
         let bundle = crate::display::MimeBundle::new();
-        match self.to_svg().and_then(|svg| Ok((svg, self.to_png()?))) {
-            Ok((svg, png)) => bundle
-                .with("image/svg+xml", svg)
-                .with("image/png", crate::display::base64(&png))
-                .with("text/plain", format!("<chart: {}>", self.title)),
+        match self
+            .to_svg()
+            .and_then(|svg| Ok((svg, self.to_transparent_png(PNG_SCALE)?)))
+        {
+            Ok((svg, png)) => {
+                // The PNG has twice the pixels; the front end shows it at the chart's size.
+                let size = serde_json::json!({"width": self.width, "height": self.height});
+                bundle
+                    .with("image/svg+xml", svg)
+                    .with("image/png", crate::display::base64(&png))
+                    .with_metadata("image/png", size.clone())
+                    .with_metadata("image/svg+xml", size)
+                    .with("text/plain", format!("<chart: {}>", self.title))
+            }
             Err(e) => bundle.with(
                 "text/plain",
                 format!("the chart `{}` could not be drawn: {e}", self.title),

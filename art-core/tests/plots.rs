@@ -60,6 +60,7 @@ fn decode(bytes: &[u8]) -> Pixels {
     let mut reader = decoder.read_info().expect("a valid PNG");
     let mut buf = vec![0; reader.output_buffer_size().unwrap()];
     let info = reader.next_frame(&mut buf).unwrap();
+    // `to_png` is for files: opaque, on white.
     assert_eq!(info.color_type, png::ColorType::Rgb);
     assert_eq!(info.bit_depth, png::BitDepth::Eight);
     Pixels {
@@ -154,13 +155,117 @@ fn reward_chart_png_has_both_series_bands_and_text() {
         "band: {}",
         pixels.near(band, 3)
     );
-    // Dark pixels: axis labels, title, ticks.
-    let dark = pixels
-        .rgb
+    // Grey ink: axis labels, title, ticks (readable on a light and a dark theme).
+    let ink = pixels.near([128, 128, 128], 10);
+    assert!(ink > 500, "text: {ink}");
+}
+
+#[test]
+fn notebook_png_is_transparent_and_twice_the_size() {
+    let chart = reward_chart(&history());
+    let png = chart.to_transparent_png(2).unwrap();
+    save("reward-transparent.png", &png);
+    let decoder = png::Decoder::new(std::io::Cursor::new(&png));
+    let mut reader = decoder.read_info().unwrap();
+    let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+    let info = reader.next_frame(&mut buf).unwrap();
+    assert_eq!(info.color_type, png::ColorType::Rgba);
+    assert_eq!((info.width, info.height), (1440, 800));
+    let rgba: Vec<[u8; 4]> = buf[..info.buffer_size()]
+        .chunks_exact(4)
+        .map(|p| [p[0], p[1], p[2], p[3]])
+        .collect();
+    // No background: the corner and most pixels are fully transparent...
+    assert_eq!(rgba[0][3], 0);
+    let clear = rgba.iter().filter(|p| p[3] == 0).count() as f64 / rgba.len() as f64;
+    assert!(clear > 0.5, "transparent fraction {clear}");
+    // ...and the lines keep their colour, opaque.
+    let blue = rgba
         .iter()
-        .filter(|p| p.iter().all(|&c| c < 80))
+        .filter(|p| p[3] == 255 && p[..3] == TRAIN_BLUE)
         .count();
-    assert!(dark > 500, "text: {dark}");
+    assert!(blue > 1000, "opaque train blue: {blue}");
+    // The band is translucent blue, not blue mixed with white.
+    let band = rgba
+        .iter()
+        .filter(|p| (30..60).contains(&p[3]) && (p[2] as i32 - 180).abs() < 12)
+        .count();
+    assert!(band > 4000, "band pixels: {band}");
+}
+
+#[test]
+fn bands_stay_within_the_logged_range_and_sparse_ones_are_error_bars() {
+    // Rewards in [0, 1] with a std reaching past both ends; val logged before and after only.
+    let history = vec![
+        entry(
+            1,
+            "train",
+            &[
+                ("reward", 0.1),
+                ("reward_std", 0.3),
+                ("reward_min", 0.0),
+                ("reward_max", 1.0),
+            ],
+        ),
+        entry(
+            2,
+            "train",
+            &[
+                ("reward", 0.5),
+                ("reward_std", 0.45),
+                ("reward_min", 0.0),
+                ("reward_max", 1.0),
+            ],
+        ),
+        entry(
+            3,
+            "train",
+            &[
+                ("reward", 0.9),
+                ("reward_std", 0.3),
+                ("reward_min", 0.0),
+                ("reward_max", 1.0),
+            ],
+        ),
+        entry(
+            0,
+            "val",
+            &[
+                ("reward", 0.2),
+                ("reward_std", 0.4),
+                ("reward_min", 0.0),
+                ("reward_max", 0.8),
+            ],
+        ),
+        entry(
+            3,
+            "val",
+            &[
+                ("reward", 0.6),
+                ("reward_std", 0.1),
+                ("reward_min", 0.2),
+                ("reward_max", 1.0),
+            ],
+        ),
+    ];
+    let chart = reward_chart(&history);
+    let train = chart.series()[0].band.clone().unwrap();
+    assert_eq!(
+        train,
+        vec![
+            (1.0, 0.0, 0.1 + 0.3),
+            (2.0, 0.5 - 0.45, 0.5 + 0.45),
+            (3.0, 0.9 - 0.3, 1.0)
+        ]
+    );
+    let val = chart.series()[1].band.clone().unwrap();
+    assert_eq!(val[0], (0.0, 0.0, 0.2 + 0.4));
+    let svg = chart.to_svg().unwrap();
+    // One filled band (train, three points) and none for val's two: error bars instead.
+    assert_eq!(svg.lines().filter(|l| l.contains("<polygon")).count(), 1);
+    for text in ["train ± std", "val ± std"] {
+        assert!(has_text(&svg, text), "legend misses {text}");
+    }
 }
 
 #[test]

@@ -26,9 +26,8 @@ pub const STYLE: &str = r#"<style>
 .art-head{display:flex;flex-wrap:wrap;align-items:center}
 .art-text,.art-call{overflow-wrap:anywhere}
 details>summary{cursor:pointer}
-.art-cols{grid-auto-columns:minmax(300px,1fr)!important}
 .art-col.art-best{box-shadow:inset 0 0 0 1px #16a34a}
-.art-root table.art-table th{position:sticky;top:0;background:var(--jp-layout-color1,Canvas)}
+.art-root table.art-table thead th{position:sticky;top:0;background:var(--jp-layout-color1,Canvas)}
 .art-root table.art-table th,.art-root table.art-table td{border-bottom:1px solid var(--art-border)}
 .art-root table.art-table tbody tr:nth-child(even){background:rgba(127,127,127,.05)}
 .art-root table.art-table tbody tr:hover{background:rgba(59,130,246,.08)}
@@ -71,11 +70,13 @@ const CLASS_STYLES: &[(&str, &str)] = &[
         "font-size:12.5px;border-radius:6px;padding:5px 9px;background-color:#dc262614;border:1px solid #dc26264d;margin:6px 0;white-space:pre-wrap",
     ),
     ("art-more", "margin:4px 0"),
-    // Side by side untrusted too: JupyterLab 4.6 keeps these grid declarations inline (checked
-    // with a scratch notebook) but not `minmax()`, which the style sheet adds when trusted.
+    // Trajectories side by side, as many as fit at 300 px or more each, the rest on the next
+    // rows: a group of 8 must not run off the cell sideways. JupyterLab 4.6 keeps this
+    // `grid-template-columns` inline in untrusted outputs (its sanitizer checks each property's
+    // own grammar: it drops `minmax()` in `grid-auto-columns` but not here; checked in Chromium).
     (
         "art-cols",
-        "display:grid;gap:10px;grid-auto-flow:column;grid-auto-columns:300px;overflow-x:auto;padding-bottom:4px",
+        "display:grid;gap:10px;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));padding-bottom:4px",
     ),
     ("art-col", "border:1px solid #7f7f7f4d;border-radius:8px;padding:8px 10px;min-width:0;margin-bottom:8px"),
     ("art-best", "border-color:#16a34a"),
@@ -84,12 +85,17 @@ const CLASS_STYLES: &[(&str, &str)] = &[
     ("art-progress", "min-width:320px;max-width:640px"),
     ("art-img", "max-width:260px;max-height:200px;border-radius:4px;margin-top:4px"),
     ("art-chart", "margin:4px 12px 0 0"),
-    ("art-table-wrap", "overflow:auto;max-height:36em;margin-top:4px"),
+    // No inner vertical scroll: header cells cannot stick untrusted (JupyterLab drops an inline
+    // `position:sticky`), so a tall table scrolls with the page and repeats its header below.
+    ("art-table-wrap", "overflow-x:auto;margin-top:4px"),
     ("art-table", "border-collapse:collapse;font-size:12.5px"),
     ("art-th", "padding:3px 10px;text-align:left;vertical-align:bottom;font-weight:bold"),
     ("art-td", "padding:3px 10px;text-align:left;vertical-align:top"),
     ("art-num", "text-align:right;white-space:nowrap"),
-    ("art-str", "min-width:16em;max-width:40em;white-space:pre-wrap;overflow-wrap:break-word"),
+    // Short text (a split, a label) takes the width it needs; long text (an answer, a RULER
+    // explanation) gets a readable column that wraps, whatever the header's length.
+    ("art-str", "white-space:pre-wrap;overflow-wrap:break-word"),
+    ("art-long", "min-width:22em;max-width:40em"),
     ("art-null", "font-style:italic;opacity:0.7"),
     ("art-dtype", "font-weight:normal;font-size:11px;opacity:0.7"),
 ];
@@ -557,6 +563,21 @@ pub(crate) fn trajectory_html(trajectory: &Trajectory) -> String {
     styled(&out)
 }
 
+/// Ranks by reward, best first, equal rewards sharing a rank ("1224" ranking: 1 plus the number
+/// of strictly better rewards). RULER often gives several answers the same score: numbering them
+/// 2, 3, 4 would claim an order the judge did not give.
+pub(crate) fn competition_ranks(rewards: &[f64]) -> Vec<usize> {
+    rewards
+        .iter()
+        .map(|r| {
+            1 + rewards
+                .iter()
+                .filter(|other| other.total_cmp(r).is_gt())
+                .count()
+        })
+        .collect()
+}
+
 pub(crate) fn group_html(group: &TrajectoryGroup) -> String {
     let rewards = group.rewards();
     let lo = rewards.iter().copied().fold(f64::INFINITY, f64::min);
@@ -615,12 +636,7 @@ pub(crate) fn group_html(group: &TrajectoryGroup) -> String {
         );
     }
 
-    let mut order: Vec<usize> = (0..rewards.len()).collect();
-    order.sort_by(|&a, &b| rewards[b].total_cmp(&rewards[a]));
-    let mut rank = vec![0; rewards.len()];
-    for (position, &index) in order.iter().enumerate() {
-        rank[index] = position + 1;
-    }
+    let rank = competition_ranks(&rewards);
     out.push_str(r#"<div class="art-cols">"#);
     for (i, trajectory) in group.trajectories.iter().enumerate() {
         let best = hi > lo && trajectory.reward == hi;
@@ -818,10 +834,18 @@ mod tests {
 
     #[test]
     fn inline_styles_use_only_what_notebook_sanitizers_keep() {
-        // JupyterLab validates each inline declaration and drops the ones it does not know.
+        // JupyterLab validates each inline declaration and drops the ones it does not know
+        // (4.6, checked in Chromium: `var()`, `overflow-wrap:anywhere`, `position:sticky`,
+        // `minmax()` in `grid-auto-columns`).
         for (class, style) in CLASS_STYLES {
             for bad in [
-                "var(", "hsl", "minmax", "anywhere", "rgba(", "flex", "sticky",
+                "var(",
+                "hsl",
+                "anywhere",
+                "rgba(",
+                "flex",
+                "sticky",
+                "grid-auto-columns",
             ] {
                 assert!(!style.contains(bad), "{class}: {bad} in {style}");
             }
@@ -835,6 +859,22 @@ mod tests {
         assert!(!body.contains("<style") && !body.contains("hsl") && !body.contains("<svg"));
         // Every message carries its role colour itself.
         assert!(body.contains("border-left-color:#10b981"));
+    }
+
+    #[test]
+    fn equal_rewards_share_a_rank() {
+        assert_eq!(competition_ranks(&[1.0, 0.3, 0.3, 0.3]), vec![1, 2, 2, 2]);
+        assert_eq!(competition_ranks(&[0.2, 0.9, 0.9, 0.5]), vec![4, 1, 1, 3]);
+        assert_eq!(competition_ranks(&[0.7; 3]), vec![1, 1, 1]);
+        let group = TrajectoryGroup::new([
+            weather_trajectory(0.9, "18°C"),
+            weather_trajectory(0.9, "18°C, clear"),
+            weather_trajectory(0.1, "no idea"),
+        ]);
+        let html = group_html(&group);
+        assert_eq!(html.matches(">rank 1<").count(), 2, "{html}");
+        assert_eq!(html.matches(">rank 3<").count(), 1);
+        assert!(!html.contains(">rank 2<"));
     }
 
     #[test]

@@ -331,8 +331,17 @@ pub trait DebugDisplay {
 
 impl<T: std::fmt::Debug + ?Sized> DebugDisplay for T {
     fn evcxr_display(&mut self) {
-        evcxr_display(&MimeBundle::new().with("text/plain", format!("{self:?}")));
+        if let Some(bundle) = debug_bundle(self) {
+            evcxr_display(&bundle);
+        }
     }
+}
+
+/// The plain-text result for a value's `Debug` text; none for `()`, the value of a cell that
+/// ends in a block or a loop (`for ... { println!(...) }`), which has nothing to show.
+fn debug_bundle<T: std::fmt::Debug + ?Sized>(value: &T) -> Option<MimeBundle> {
+    let text = format!("{value:?}");
+    (text != "()").then(|| MimeBundle::new().with("text/plain", text))
 }
 
 #[cfg(test)]
@@ -366,6 +375,15 @@ mod tests {
         assert_eq!(message.display_id.as_deref(), Some("x"));
         assert!(message.update);
         assert!(message.data.contains_key("text/html"));
+    }
+
+    #[test]
+    fn a_unit_result_shows_nothing() {
+        assert_eq!(debug_bundle(&()), None);
+        let text = |b: Option<MimeBundle>| b.map(|b| b.text());
+        assert_eq!(text(debug_bundle(&"()")), Some(r#""()""#.to_string()));
+        assert_eq!(text(debug_bundle(&Some(2))), Some("Some(2)".to_string()));
+        assert_eq!(text(debug_bundle(&((), 1))), Some("((), 1)".to_string()));
     }
 
     #[test]

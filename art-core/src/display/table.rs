@@ -15,6 +15,11 @@ const MAX_ROWS: usize = 40;
 const TAIL_ROWS: usize = 5;
 /// Text cells longer than this are cut (a rollout's whole answer belongs in its transcript).
 const MAX_CELL_CHARS: usize = 160;
+/// A text column with a shown cell longer than this is "long text": it gets a wide, wrapping
+/// column (shorter ones, like a split's name, take only the width they need).
+const LONG_TEXT_CHARS: usize = 40;
+/// Tables with more shown rows than this repeat their header row below the last row.
+const FOOTER_ROWS: usize = 12;
 
 impl Render for DataFrame {
     fn render(&self) -> MimeBundle {
@@ -29,6 +34,52 @@ fn frame_html(frame: &DataFrame) -> String {
     let mut html = format!(
         r#"<div class="art-root"><div class="art-chip">{height} rows &times; {width} columns</div><div class="art-table-wrap"><table class="art-table"><thead><tr>"#
     );
+    let rows = shown_rows(height);
+    let long: Vec<bool> = frame
+        .columns()
+        .iter()
+        .map(|column| {
+            rows.iter().flatten().any(|&row| {
+                column.get(row).is_ok_and(|v| {
+                    v.get_str()
+                        .is_some_and(|s| s.chars().count() > LONG_TEXT_CHARS)
+                })
+            })
+        })
+        .collect();
+    let header = header_cells(frame);
+    html.push_str(&header);
+    html.push_str("</tr></thead><tbody>");
+    for row in rows.iter().copied() {
+        let Some(row) = row else {
+            let _ = write!(
+                html,
+                r#"<tr><td class="art-td art-null" colspan="{width}">&hellip;</td></tr>"#
+            );
+            continue;
+        };
+        html.push_str("<tr>");
+        for (column, &long) in frame.columns().iter().zip(&long) {
+            let cell = column
+                .get(row)
+                .map(|v| cell_html(&v, long))
+                .unwrap_or_default();
+            html.push_str(&cell);
+        }
+        html.push_str("</tr>");
+    }
+    html.push_str("</tbody>");
+    if rows.len() > FOOTER_ROWS {
+        let _ = write!(html, "<tfoot><tr>{header}</tr></tfoot>");
+    }
+    html.push_str("</table></div></div>");
+    styled(&html)
+}
+
+/// The header cells: each column's name (breakable after `_` and `/`, so that a long name like
+/// `metric/independent_reward` wraps instead of widening its column) over its type.
+fn header_cells(frame: &DataFrame) -> String {
+    let mut html = String::new();
     for column in frame.columns() {
         // Numbers are right-aligned, and so are their headers.
         let align = if column.dtype().is_primitive_numeric() {
@@ -39,28 +90,23 @@ fn frame_html(frame: &DataFrame) -> String {
         let _ = write!(
             html,
             r#"<th class="art-th{align}">{}<div class="art-dtype">{}</div></th>"#,
-            escape_html(column.name()),
+            breakable(column.name()),
             escape_html(&column.dtype().to_string())
         );
     }
-    html.push_str("</tr></thead><tbody>");
-    for row in shown_rows(height) {
-        let Some(row) = row else {
-            let _ = write!(
-                html,
-                r#"<tr><td class="art-td art-null" colspan="{width}">&hellip;</td></tr>"#
-            );
-            continue;
-        };
-        html.push_str("<tr>");
-        for column in frame.columns() {
-            let cell = column.get(row).map(|v| cell_html(&v)).unwrap_or_default();
-            html.push_str(&cell);
+    html
+}
+
+/// Escaped `name` with a `<wbr>` (a line break opportunity) after each `_` and `/`.
+fn breakable(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        out.push_str(&escape_html(c.encode_utf8(&mut [0; 4])));
+        if matches!(c, '_' | '/') {
+            out.push_str("<wbr>");
         }
-        html.push_str("</tr>");
     }
-    html.push_str("</tbody></table></div></div>");
-    styled(&html)
+    out
 }
 
 /// The row indices to show; `None` marks the cut.
@@ -76,11 +122,12 @@ fn shown_rows(height: usize) -> Vec<Option<usize>> {
         .collect()
 }
 
-fn cell_html(value: &AnyValue) -> String {
+fn cell_html(value: &AnyValue, long: bool) -> String {
+    let text_class = if long { "art-str art-long" } else { "art-str" };
     let (class, text) = match value {
         AnyValue::Null => ("art-null", "null".to_string()),
-        AnyValue::String(s) => ("art-str", cut(s)),
-        AnyValue::StringOwned(s) => ("art-str", cut(s)),
+        AnyValue::String(s) => (text_class, cut(s)),
+        AnyValue::StringOwned(s) => (text_class, cut(s)),
         AnyValue::Float32(x) => ("art-num", format_number(f64::from(*x))),
         AnyValue::Float64(x) => ("art-num", format_number(*x)),
         AnyValue::Boolean(b) => ("", b.to_string()),
@@ -127,6 +174,38 @@ mod tests {
             html.contains(r#"<td class="art-td art-num" style="#) && html.contains(">0.5</td>")
         );
         assert!(bundle.text().contains("reward"));
+    }
+
+    #[test]
+    fn long_text_columns_get_room_and_long_names_wrap() {
+        let frame = df!(
+            "metric/independent_reward" => [0.5f64, 1.0],
+            "split" => ["train", "val"],
+            "last_assistant" => ["short", "a much longer answer that goes on past forty characters"],
+        )
+        .unwrap();
+        let html = frame_html(&frame);
+        assert!(
+            html.contains("metric/<wbr>independent_<wbr>reward<div"),
+            "{html}"
+        );
+        // Every cell of the long column is marked long, none of the short one.
+        assert_eq!(
+            html.matches(r#"class="art-td art-str art-long""#).count(),
+            2
+        );
+        assert_eq!(html.matches(r#"class="art-td art-str""#).count(), 2);
+        // Two rows: no repeated header.
+        assert!(!html.contains("<tfoot>"));
+    }
+
+    #[test]
+    fn tall_tables_repeat_their_header_below() {
+        let values: Vec<i64> = (0..30).collect();
+        let frame = df!("step" => values).unwrap();
+        let html = frame_html(&frame);
+        let footer = &html[html.find("<tfoot>").expect("a footer")..];
+        assert!(footer.contains(">step<div"), "{footer}");
     }
 
     #[test]

@@ -164,7 +164,9 @@ impl Render for TrainingSnapshot {
                 p.step, p.micro_batch, p.micro_batches
             );
         }
-        if !self.steps.is_empty() {
+        // Curves from two steps on: a one-step run's "curve" is a lone dot, and its badges
+        // already say everything.
+        if self.steps.len() >= 2 {
             let rewards: Vec<(f64, f64)> =
                 self.steps.iter().map(|&(s, r, _)| (s as f64, r)).collect();
             let losses: Vec<(f64, f64)> =
@@ -309,6 +311,19 @@ mod tests {
             bundle.text(),
             "GRPO: step 2, reward 0.75 (first 0.25), loss 0.25; step 3: 1/4 micro-batches"
         );
+    }
+
+    #[test]
+    fn a_single_step_shows_no_curves() {
+        let snapshot = TrainingSnapshot {
+            description: "one step".into(),
+            steps: vec![(1, 0.25, 0.5)],
+            current: None,
+            elapsed: Duration::from_secs(3),
+        };
+        let html = snapshot.render().get("text/html").unwrap().to_string();
+        assert!(html.contains("step <b>1</b>"), "{html}");
+        assert!(!html.contains("art-chart"), "{html}");
     }
 
     #[test]

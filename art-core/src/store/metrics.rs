@@ -8,6 +8,9 @@ use crate::types::TrajectoryGroup;
 pub const REWARD: &str = "reward";
 /// Standard deviation of the reward over all trajectories.
 pub const REWARD_STD: &str = "reward_std";
+/// Lowest and highest reward over all trajectories: the bounds a chart keeps the ±std band in.
+pub const REWARD_MIN: &str = "reward_min";
+pub const REWARD_MAX: &str = "reward_max";
 /// Mean over groups of the within-group reward standard deviation (ART: `reward_std_dev`). Near 0
 /// means the groups' rollouts all scored alike: GRPO has little to learn from.
 pub const REWARD_STD_DEV: &str = "reward_std_dev";
@@ -19,9 +22,11 @@ pub const NUM_GROUPS: &str = "num_groups";
 pub const COMPLETION_TOKENS: &str = "completion_tokens";
 
 /// Built-in metrics win over trajectory metrics of the same name.
-const BUILT_IN: [&str; 7] = [
+const BUILT_IN: [&str; 9] = [
     REWARD,
     REWARD_STD,
+    REWARD_MIN,
+    REWARD_MAX,
     REWARD_STD_DEV,
     EXCEPTION_RATE,
     NUM_TRAJECTORIES,
@@ -46,6 +51,10 @@ pub fn batch_metrics(groups: &[TrajectoryGroup]) -> BTreeMap<String, f64> {
     if let Some((mean, std)) = mean_std(&rewards) {
         out.insert(REWARD.into(), mean);
         out.insert(REWARD_STD.into(), std);
+        let min = rewards.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = rewards.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        out.insert(REWARD_MIN.into(), min);
+        out.insert(REWARD_MAX.into(), max);
     }
     let group_stds: Vec<f64> = groups
         .iter()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what the browser test (scripts/browser-check.py) needs; cheap when already done:
+#   - Debian's `chromium` (apt-get; the test drives this binary, playwright downloads no browser),
+#   - .venv-browser (git-ignored) with the pinned JupyterLab and playwright of
+#     scripts/requirements-browser.txt.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REQS="$ROOT/scripts/requirements-browser.txt"
+VENV="$ROOT/.venv-browser"
+STAMP="$VENV/.requirements.sha256"
+
+if command -v chromium >/dev/null 2>&1; then
+  echo "present: chromium"
+else
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    chromium fonts-dejavu-core >/dev/null
+  echo "ready: chromium ($(chromium --version 2>/dev/null || true))"
+fi
+
+want="$(sha256sum "$REQS" | cut -d' ' -f1)"
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
+  echo "present: .venv-browser"
+  exit 0
+fi
+python3 -m venv "$VENV"
+"$VENV/bin/pip" install --quiet --disable-pip-version-check -r "$REQS"
+echo "$want" > "$STAMP"
+echo "ready: .venv-browser"
