@@ -4,7 +4,7 @@
     .venv-browser/bin/python scripts/browser-check.py [SCREENSHOT_DIR] [--notebook PATH ...]
 
 Cost (this 2-core machine): a cold `scripts/setup-browser.sh` (apt-get chromium + the venv) takes
-~50 s; a warm run of this check ~60-90 s (JupyterLab's start, then 7 notebooks x 4 views).
+~50 s; a warm run of this check ~50 s (JupyterLab's start, then 7 notebooks x 4 views).
 
 The notebooks are opened as they are saved (no kernel runs: their outputs were written by
 `scripts/run-notebooks.py --write`) and UNTRUSTED, as a user who clones the repository sees them:

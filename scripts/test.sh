@@ -7,6 +7,12 @@ cd "$ROOT"
 scripts/fetch-models.sh
 scripts/patch-crates.sh
 scripts/setup-python.sh
+# Chromium (Debian) and JupyterLab for the browser test of the saved notebooks.
+scripts/setup-browser.sh
 export ART_TEST_PYTHON="$ROOT/.venv/bin/python"
+export ART_TEST_BROWSER_PYTHON="$ROOT/.venv-browser/bin/python"
 export ART_MODELS_DIR="$ROOT/models"
 cargo test --workspace "$@"
+# Ignored by default (it needs what setup-browser.sh installs): ~50 s. `--workspace`, as above,
+# so that features resolve the same and nothing is rebuilt.
+cargo test --workspace --test browser -- --ignored

@@ -72,7 +72,10 @@ fn log_computes_the_metrics() {
     assert!(close(logged.get("turns"), 1.0));
     // Averaged over the trajectories that have it.
     assert!(close(logged.get("difficulty"), 0.75));
-    assert_eq!(logged.entry.metrics.len(), 10, "{:?}", logged.entry.metrics);
+    // The band a reward chart draws is clamped to these.
+    assert!(close(logged.get(metrics::REWARD_MIN), 0.0));
+    assert!(close(logged.get(metrics::REWARD_MAX), 1.0));
+    assert_eq!(logged.entry.metrics.len(), 12, "{:?}", logged.entry.metrics);
     assert_eq!(
         logged.trajectories_path,
         store.dir().join("trajectories/train/0000.parquet")

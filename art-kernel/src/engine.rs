@@ -52,8 +52,9 @@ impl EvcxrEngine {
             }
             command.env("LD_LIBRARY_PATH", path);
         }
-        let (mut eval, outputs) = EvalContext::with_subprocess_command_without_initial_eval(command)
-            .map_err(|e| anyhow!("cannot start the Rust evaluator: {e}"))?;
+        let (mut eval, outputs) =
+            EvalContext::with_subprocess_command_without_initial_eval(command)
+                .map_err(|e| anyhow!("cannot start the Rust evaluator: {e}"))?;
         eprintln!("art-kernel: evaluator started in {:.1?}", started.elapsed());
         let question_mark_failed = Arc::new(AtomicBool::new(false));
         let pump = Pump::spawn(outputs, sink.clone(), question_mark_failed.clone());

@@ -230,7 +230,9 @@ fn compiled_crates(slot: &Path) -> usize {
             if !(name.ends_with(".rlib") || name.ends_with(".so")) {
                 continue;
             }
-            if let Some((crate_name, _hash)) = name.strip_prefix("lib").and_then(|n| n.rsplit_once('-')) {
+            if let Some((crate_name, _hash)) =
+                name.strip_prefix("lib").and_then(|n| n.rsplit_once('-'))
+            {
                 crates.insert(crate_name.to_string());
             }
         }

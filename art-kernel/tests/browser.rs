@@ -5,9 +5,9 @@
 //! and in a 1440x900 window. Screenshots go to target/browser-screenshots.
 //!
 //! Cost on the 2-core dev machine: `scripts/setup-browser.sh` cold ~50 s (apt-get chromium, the
-//! venv), then ~60-90 s per run; warm setup is instant. Needs ART_TEST_BROWSER_PYTHON, the
+//! venv), then ~50 s per run; warm setup is instant. Needs ART_TEST_BROWSER_PYTHON, the
 //! python of the venv that script makes (.venv-browser), so it is ignored by default;
-//! scripts/test.sh runs it with `cargo test -p art-kernel --test browser -- --ignored`.
+//! scripts/test.sh runs it with `cargo test --workspace --test browser -- --ignored`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
