@@ -340,8 +340,8 @@ impl<T: std::fmt::Debug + ?Sized> DebugDisplay for T {
 /// The plain-text result for a value's `Debug` text; none for `()`, the value of a cell that
 /// ends in a block or a loop (`for ... { println!(...) }`), which has nothing to show.
 fn debug_bundle<T: std::fmt::Debug + ?Sized>(value: &T) -> Option<MimeBundle> {
-    let text = format!("{value:?}");
-    (text != "()").then(|| MimeBundle::new().with("text/plain", text))
+    (std::any::type_name::<T>() != "()")
+        .then(|| MimeBundle::new().with("text/plain", format!("{value:?}")))
 }
 
 #[cfg(test)]
