@@ -7,14 +7,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, Result};
-use art_core::display::wire::DisplayMessage;
+use art_core::display::wire::{DisplayMessage, RESULT_METADATA_MIME};
 use crossbeam_channel::{Receiver, Select, Sender};
 use evcxr::{CommandContext, EvalContext, EvalContextOutputs};
 
 use crate::child::CELL_FAILED;
 use crate::config::Prelude;
 use crate::protocol::{
-    Bundle, Completions, Engine, ErrorReport, Interrupter, LanguageDescription, Output, OutputSink,
+    Bundle, CellResult, Completions, Engine, ErrorReport, Interrupter, LanguageDescription, Output,
+    OutputSink,
 };
 
 pub struct EvcxrEngine {
@@ -116,7 +117,7 @@ impl EvcxrEngine {
 }
 
 impl Engine for EvcxrEngine {
-    fn execute(&mut self, code: &str) -> Result<Option<Bundle>, ErrorReport> {
+    fn execute(&mut self, code: &str) -> Result<Option<CellResult>, ErrorReport> {
         self.control.interrupted.store(false, Ordering::SeqCst);
         self.question_mark_failed.store(false, Ordering::SeqCst);
         self.control.executing.store(true, Ordering::SeqCst);
@@ -158,16 +159,23 @@ impl Engine for EvcxrEngine {
                         .collect();
                     (self.sink)(Output::Stderr(format!("timing: {}\n", phases.join(", "))));
                 }
-                let mut bundle = Bundle::new();
+                let mut result = CellResult::default();
                 for (mime, content) in outputs.content_by_mime_type {
                     let value = if mime.contains("json") {
                         serde_json::from_str(&content).unwrap_or(serde_json::Value::String(content))
                     } else {
                         serde_json::Value::String(content)
                     };
-                    bundle.insert(mime, value);
+                    match (mime.as_str(), value) {
+                        (RESULT_METADATA_MIME, serde_json::Value::Object(metadata)) => {
+                            result.metadata = metadata
+                        }
+                        (_, value) => {
+                            result.data.insert(mime, value);
+                        }
+                    }
                 }
-                Ok((!bundle.is_empty()).then_some(bundle))
+                Ok((!result.data.is_empty()).then_some(result))
             }
             Err(error) => Err(error_report(&error, code)),
         }

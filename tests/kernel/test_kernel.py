@@ -454,7 +454,11 @@ plots::reward_distribution_chart(&[group.clone()])
         self.assertIn("art-table", table["text/html"])
         self.assertIn("3 rows &times;", table["text/html"])
         self.assertIn("reward", table["text/plain"])
-        chart = of_type(outputs, "execute_result")[0]["content"]["data"]
+        result = of_type(outputs, "execute_result")[0]["content"]
+        chart = result["data"]
+        # The PNG has twice the pixels; the result's metadata says the size to show it at.
+        self.assertGreater(result["metadata"]["image/png"]["width"], 0, result["metadata"])
+        self.assertNotIn("application/vnd.art.result-metadata+json", chart)
         self.assertIn("image/svg+xml", chart, chart)
         self.assertIn("<svg", chart["image/svg+xml"])
         # And a PNG for front ends that do not show SVG (JupyterLab, untrusted).

@@ -272,9 +272,23 @@ fn emit(bundle: &MimeBundle, display_id: Option<&str>, update: bool) {
 pub fn evcxr_display(bundle: &MimeBundle) {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    for (mime, value) in &bundle.data {
+    let metadata = (!bundle.metadata.is_empty() && std::env::var_os(wire::KERNEL_ENV).is_some())
+        .then(|| {
+            let metadata: serde_json::Map<String, Value> =
+                bundle.metadata.clone().into_iter().collect();
+            (
+                wire::RESULT_METADATA_MIME.to_string(),
+                Value::Object(metadata),
+            )
+        });
+    for (mime, value) in bundle
+        .data
+        .iter()
+        .map(|(m, v)| (m.clone(), v.clone()))
+        .chain(metadata)
+    {
         let text = match value {
-            Value::String(text) => text.clone(),
+            Value::String(text) => text,
             other => other.to_string(),
         };
         let _ = writeln!(out, "EVCXR_BEGIN_CONTENT {mime}\n{text}\nEVCXR_END_CONTENT");

@@ -15,6 +15,11 @@ pub const PREFIX: &str = "ART_KERNEL_DISPLAY_V1 ";
 /// reading its stdout; without it, displays print a plain-text fallback instead.
 pub const KERNEL_ENV: &str = "ART_KERNEL_DISPLAY";
 
+/// evcxr carries a cell's result as one text per mime type, with no room for Jupyter's per-type
+/// metadata (an image's display size, say). The result's metadata travels as this pseudo mime
+/// type, as JSON; the kernel moves it into the result's metadata.
+pub const RESULT_METADATA_MIME: &str = "application/vnd.art.result-metadata+json";
+
 /// One display, as the cell sends it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DisplayMessage {

@@ -26,6 +26,13 @@ pub enum Output {
 }
 
 /// Where an engine sends output. It may be called from any thread, during or between executions.
+/// The value of a cell: its data by mime type, and Jupyter's metadata for them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CellResult {
+    pub data: Bundle,
+    pub metadata: Bundle,
+}
+
 pub type OutputSink = Arc<dyn Fn(Output) + Send + Sync>;
 
 /// Why an execution failed, in the shape of Jupyter's error output.
@@ -73,7 +80,7 @@ pub struct LanguageDescription {
 pub trait Engine: Send + 'static {
     /// Runs a cell. Output goes to the engine's [`OutputSink`] and must all have been handed to it
     /// by the time this returns; the value of the cell, if any, is returned.
-    fn execute(&mut self, code: &str) -> Result<Option<Bundle>, ErrorReport>;
+    fn execute(&mut self, code: &str) -> Result<Option<CellResult>, ErrorReport>;
 
     /// Completions at byte offset `cursor` of `code`.
     fn complete(&mut self, code: &str, cursor: usize) -> anyhow::Result<Completions>;

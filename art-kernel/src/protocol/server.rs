@@ -453,8 +453,10 @@ async fn handle_shell<E: Engine>(
             };
             let reply = match result {
                 Ok(value) => {
-                    if let Some(data) = value.filter(|_| !silent) {
-                        kernel.publish(ExecuteResult::new(count, media(data)), request);
+                    if let Some(result) = value.filter(|_| !silent) {
+                        let mut content = ExecuteResult::new(count, media(result.data));
+                        content.metadata = result.metadata;
+                        kernel.publish(content, request);
                     }
                     ExecuteReply {
                         status: ReplyStatus::Ok,
