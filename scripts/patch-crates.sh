@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the patched copies of released crates that Cargo.toml's [patch.crates-io] points to:
 # evcxr 0.22.0 from crates.io with our changes (art-kernel/evcxr-patch/*.patch, applied in order;
-# each has a note beside it saying why) in patched-crates/evcxr (git-ignored).
+# each has a note beside it saying why) in patched-by-scripts-patch-crates.sh/evcxr (git-ignored).
 #
 # The README's commands (scripts/test.sh, scripts/main-job.sh) run this first; run it yourself
 # before a plain `cargo build` in a fresh clone. Cheap when the patched copy is up to date.
@@ -13,12 +13,12 @@ VERSION=0.22.0
 # The released crate file's sha256 (as crates.io's index lists it).
 SHA256=ee69caeeefc311959b85962458e370d8eccb165123edbc5270134aaee6d7ed80
 PATCHES="$ROOT/art-kernel/evcxr-patch"
-DEST="$ROOT/patched-crates/$NAME"
+DEST="$ROOT/patched-by-scripts-patch-crates.sh/$NAME"
 STAMP="$DEST/.art-patches.sha256"
 
 want="$( (echo "$NAME $VERSION $SHA256"; cat "$PATCHES"/*.patch) | sha256sum | cut -d' ' -f1)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
-  echo "present: patched-crates/$NAME"
+  echo "present: patched-by-scripts-patch-crates.sh/$NAME"
   exit 0
 fi
 
@@ -58,4 +58,4 @@ rm -rf "$DEST"
 mkdir -p "$(dirname "$DEST")"
 mv "$TMP/$NAME-$VERSION" "$DEST"
 echo "$want" > "$STAMP"
-echo "patched: patched-crates/$NAME ($(ls "$PATCHES"/*.patch | wc -l) changes)"
+echo "patched: patched-by-scripts-patch-crates.sh/$NAME ($(ls "$PATCHES"/*.patch | wc -l) changes)"
