@@ -7,7 +7,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 REQS="$ROOT/scripts/requirements-browser.txt"
 VENV="$ROOT/.venv-browser"
-STAMP="$VENV/.requirements.sha256"
 
 if command -v chromium >/dev/null 2>&1; then
   echo "present: chromium"
@@ -20,12 +19,4 @@ else
   echo "ready: chromium ($(chromium --version 2>/dev/null || true))"
 fi
 
-want="$(sha256sum "$REQS" | cut -d' ' -f1)"
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
-  echo "present: .venv-browser"
-  exit 0
-fi
-python3 -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --disable-pip-version-check -r "$REQS"
-echo "$want" > "$STAMP"
-echo "ready: .venv-browser"
+"$ROOT/scripts/setup-python.sh" "$VENV" "$REQS"

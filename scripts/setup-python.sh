@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Creates .venv (git-ignored) with the Python packages the tests use; cheap when already done.
+# Creates a venv (git-ignored) with pinned Python packages; cheap when already done.
+#   scripts/setup-python.sh                 .venv with scripts/requirements-test.txt (the tests' clients)
+#   scripts/setup-python.sh VENV REQUIREMENTS   another venv, e.g. the browser test's
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-REQS="$ROOT/scripts/requirements-test.txt"
-VENV="$ROOT/.venv"
+VENV="${1:-$ROOT/.venv}"
+REQS="${2:-$ROOT/scripts/requirements-test.txt}"
 STAMP="$VENV/.requirements.sha256"
 want="$(sha256sum "$REQS" | cut -d' ' -f1)"
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
-  echo "present: .venv"
+  echo "present: $(basename "$VENV")"
   exit 0
 fi
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install --quiet --disable-pip-version-check -r "$REQS"
 echo "$want" > "$STAMP"
-echo "ready: .venv"
+echo "ready: $(basename "$VENV")"
