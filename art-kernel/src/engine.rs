@@ -71,8 +71,10 @@ impl EvcxrEngine {
             state.add_dep_without_validation(name, value)?;
         }
         let mut result = eval.eval_with_state(&prelude.code, state.clone());
-        if result.is_err() && state.linker() != "system" {
-            // evcxr picks lld or mold where installed; fall back to the system's linker.
+        if result.is_err() && prelude.linker.is_none() && state.linker() != "system" {
+            // At install, evcxr picks lld or mold where installed; fall back to the system's
+            // linker. A linker the kernel config pins is never switched: that would change every
+            // dependency's flags and recompile the whole cache.
             state.set_linker("system".into());
             result = eval.eval_with_state(&prelude.code, state);
         }

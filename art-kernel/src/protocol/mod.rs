@@ -25,7 +25,6 @@ pub enum Output {
     },
 }
 
-/// Where an engine sends output. It may be called from any thread, during or between executions.
 /// The value of a cell: its data by mime type, and Jupyter's metadata for them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct CellResult {
@@ -33,6 +32,7 @@ pub struct CellResult {
     pub metadata: Bundle,
 }
 
+/// Where an engine sends output. It may be called from any thread, during or between executions.
 pub type OutputSink = Arc<dyn Fn(Output) + Send + Sync>;
 
 /// Why an execution failed, in the shape of Jupyter's error output.
