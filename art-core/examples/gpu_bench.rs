@@ -2,7 +2,7 @@
 //! parity, on random weights of real shapes built in the process (no weight files).
 //!
 //! ```text
-//! eval "$(../shared/tools/cuda-toolkit.sh)"
+//! eval "$(scripts/cuda-toolkit.sh)"
 //! cargo build --release -p art-core --features train,cuda --example gpu_bench
 //! # on the GPU machine:
 //! LD_LIBRARY_PATH=/usr/local/cuda/lib64 gpu_bench all
