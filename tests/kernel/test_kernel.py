@@ -508,6 +508,23 @@ plots::reward_distribution_chart(&[group.clone()])
             data, _ = result(code)
             self.assertIn("text/html", data, code)
 
+    def test_17_a_variable_that_cannot_be_kept_is_explained(self):
+        k = kernel()
+        # A closure runs in its own cell; its type cannot be named, so it is not kept.
+        reply, _ = k.run("let add_one = |x: i32| x + 1;\nadd_one(1)")
+        self.assertEqual(reply["content"]["status"], "ok", reply["content"])
+        # The next cell that uses it waits for the analysis, then says why it is gone (also
+        # when that cell then fails to compile for want of it).
+        reply, outputs = k.run("add_one(2)", timeout=300)
+        self.assertEqual(reply["content"]["status"], "error", outputs)
+        self.assertIn("`add_one` is a closure", text_of(outputs))
+        self.assertIn("Box<dyn Fn()>", text_of(outputs))
+        # Boxed, as the note says, it is kept.
+        k.run("let add_two: Box<dyn Fn(i32) -> i32> = Box::new(|x| x + 2);")
+        reply, outputs = k.run("add_two(1)")
+        self.assertEqual(reply["content"]["status"], "ok", outputs)
+        self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"], "3")
+
 
 def main():
     if not os.path.exists(KERNEL_BIN):
