@@ -16,3 +16,5 @@ cargo test --workspace "$@"
 # Ignored by default (it needs what setup-browser.sh installs): ~50 s. `--workspace`, as above,
 # so that features resolve the same and nothing is rebuilt.
 cargo test --workspace --test browser -- --ignored
+# Ignored by default (it needs tensorboard and opentelemetry-proto from setup-python.sh): ~30 s.
+cargo test --workspace --test observability -- --ignored

@@ -164,5 +164,16 @@ async fn main() -> anyhow::Result<()> {
     let path = format!("main-job-{}.png", model.name);
     std::fs::write(&path, chart.to_png()?)?;
     println!("reward curve (train and held-out): {path}");
+    println!(
+        "TensorBoard curves: .art/main-job/models/{}/tensorboard (tensorboard --logdir .art)",
+        model.name
+    );
+    if art_core::telemetry::enabled() {
+        // The server sends its last spans as it stops; then this process sends its own.
+        drop(model);
+        drop(backend);
+        art_core::telemetry::shutdown();
+        println!("traces sent to OTEL_EXPORTER_OTLP_ENDPOINT");
+    }
     Ok(())
 }

@@ -8,12 +8,15 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use opentelemetry::trace::{FutureExt as _, SpanKind, TraceContextExt as _};
+use opentelemetry::KeyValue;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::client::ChatEndpoint;
 use crate::store::{HistoryEntry, LoggedMetrics, MetricGoal};
+use crate::telemetry;
 use crate::types::{
     CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse, HistoryList, LoraConfig,
     Split, StepResult, TrainConfig, TrainEvent, TrainProgress, TrajectoryGroup,
@@ -161,6 +164,18 @@ struct ChildProcess(std::sync::Mutex<tokio::process::Child>);
 impl Drop for ChildProcess {
     fn drop(&mut self) {
         if let Ok(child) = self.0.get_mut() {
+            if crate::telemetry::enabled() {
+                // Closing its standard input lets the server send its last spans and exit
+                // (`--exit-with-stdin`); it is killed only if it has not within a few seconds.
+                drop(child.stdin.take());
+                let deadline = std::time::Instant::now() + Duration::from_secs(5);
+                while std::time::Instant::now() < deadline {
+                    if !matches!(child.try_wait(), Ok(None)) {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
             let _ = child.start_kill();
         }
     }
@@ -370,7 +385,7 @@ impl TrainableModel {
     }
 
     /// An async-openai client bound to the backend (use `self.name` as the model).
-    pub fn openai_client(&self) -> async_openai::Client<async_openai::config::OpenAIConfig> {
+    pub fn openai_client(&self) -> async_openai::Client<crate::client::EndpointConfig> {
         self.endpoint().openai_client()
     }
 
@@ -394,6 +409,37 @@ impl TrainableModel {
     /// As [`TrainableModel::train`], calling `on_progress` as micro-batches finish (first with
     /// `micro_batch == 0` once the batch is accepted).
     pub async fn train_with_progress(
+        &self,
+        groups: &[TrajectoryGroup],
+        config: &TrainConfig,
+        on_progress: impl FnMut(&TrainProgress),
+    ) -> Result<StepResult, BackendError> {
+        let rollouts: usize = groups.iter().map(|g| g.trajectories.len()).sum();
+        let span = telemetry::start(
+            "train_step",
+            SpanKind::Client,
+            vec![
+                KeyValue::new("art.model", self.name.clone()),
+                KeyValue::new("art.groups", groups.len() as i64),
+                KeyValue::new("art.trajectories", rollouts as i64),
+            ],
+        );
+        let result = self
+            .train_in(groups, config, on_progress)
+            .with_context(span.clone())
+            .await;
+        match &result {
+            Ok(step) => {
+                span.span()
+                    .set_attribute(KeyValue::new("art.step", step.step as i64));
+                telemetry::end::<BackendError>(&span, None);
+            }
+            Err(e) => telemetry::end(&span, Some(e)),
+        }
+        result
+    }
+
+    async fn train_in(
         &self,
         groups: &[TrajectoryGroup],
         config: &TrainConfig,
@@ -513,9 +559,29 @@ impl TrainableModel {
             trajectory_groups: groups,
             split: split.into(),
         };
-        self.http
+        let span = telemetry::start(
+            "model.log",
+            SpanKind::Client,
+            vec![
+                KeyValue::new("art.model", self.name.clone()),
+                KeyValue::new("art.split", request.split.to_string()),
+                KeyValue::new("art.groups", groups.len() as i64),
+            ],
+        );
+        let result: Result<LoggedMetrics, BackendError> = self
+            .http
             .post(&format!("/art/models/{}/log", self.name), &request)
-            .await
+            .with_context(span.clone())
+            .await;
+        match &result {
+            Ok(logged) => {
+                span.span()
+                    .set_attribute(KeyValue::new("art.step", logged.entry.step as i64));
+                telemetry::end::<BackendError>(&span, None);
+            }
+            Err(e) => telemetry::end(&span, Some(e)),
+        }
+        result
     }
 
     /// The model's history.jsonl as the backend has it: what [`TrainableModel::log`] recorded
@@ -627,6 +693,9 @@ impl Http {
         if let Some(key) = &self.api_key {
             request = request.bearer_auth(key);
         }
+        let mut trace = reqwest::header::HeaderMap::new();
+        crate::client::add_trace_headers(&mut trace);
+        request = request.headers(trace);
         let url = self.base_url.clone();
         let response = request
             .send()

@@ -4,10 +4,56 @@
 
 use std::time::Duration;
 
-use async_openai::config::OpenAIConfig;
+use async_openai::config::{Config, OpenAIConfig};
 use async_openai::error::OpenAIError;
+use opentelemetry::trace::{FutureExt as _, SpanKind, TraceContextExt as _};
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use secrecy::SecretString;
 
+use crate::telemetry;
 use crate::types::{ChatCompletion, ChatCompletionRequest};
+
+/// async-openai's configuration of our clients: OpenAI's, plus the W3C trace-context headers of
+/// the span current when a request is made (a rollout's, when traces are on), so that the
+/// server's `chat` span joins the rollout's trace.
+#[derive(Debug, Clone)]
+pub struct EndpointConfig(OpenAIConfig);
+
+impl Config for EndpointConfig {
+    fn headers(&self) -> HeaderMap {
+        let mut headers = self.0.headers();
+        add_trace_headers(&mut headers);
+        headers
+    }
+
+    fn url(&self, path: &str) -> String {
+        self.0.url(path)
+    }
+
+    fn query(&self) -> Vec<(&str, &str)> {
+        self.0.query()
+    }
+
+    fn api_base(&self) -> &str {
+        self.0.api_base()
+    }
+
+    fn api_key(&self) -> &SecretString {
+        self.0.api_key()
+    }
+}
+
+/// Adds the current span's trace-context headers (none when traces are off).
+pub(crate) fn add_trace_headers(headers: &mut HeaderMap) {
+    for (name, value) in telemetry::headers_of(&opentelemetry::Context::current()) {
+        if let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(&value),
+        ) {
+            headers.insert(name, value);
+        }
+    }
+}
 
 /// Where to send chat completion requests: base URL (ending in `/v1`), API key, model name.
 #[derive(Clone)]
@@ -103,12 +149,12 @@ impl ChatEndpoint {
     /// on its own with its own copy of tokio, and a client made in one cell spawns its connection
     /// tasks through that cell's copy, which in a later cell finds no runtime ("there is no
     /// reactor running"). A client made where it is used always matches the running cell.
-    fn client(&self) -> async_openai::Client<OpenAIConfig> {
+    fn client(&self) -> async_openai::Client<EndpointConfig> {
         // async-openai sends an empty bearer token when no key is set; servers that need none ignore it.
         let config = OpenAIConfig::new()
             .with_api_base(&self.base_url)
             .with_api_key(self.api_key.clone().unwrap_or_default());
-        async_openai::Client::with_config(config)
+        async_openai::Client::with_config(EndpointConfig(config))
             .with_http_client(request_client(Some(self.timeout)))
     }
 
@@ -121,7 +167,7 @@ impl ChatEndpoint {
     }
 
     /// An async-openai client bound to this endpoint, for code written against async-openai's types.
-    pub fn openai_client(&self) -> async_openai::Client<OpenAIConfig> {
+    pub fn openai_client(&self) -> async_openai::Client<EndpointConfig> {
         self.client()
     }
 
@@ -135,11 +181,33 @@ impl ChatEndpoint {
             request.model = self.model.clone();
         }
         request.stream = None;
-        self.client()
+        let span = telemetry::start(
+            format!("chat {}", request.model),
+            SpanKind::Client,
+            if telemetry::enabled() {
+                telemetry::chat_request_attributes(&request)
+            } else {
+                Vec::new()
+            },
+        );
+        let result: Result<ChatCompletion, ClientError> = self
+            .client()
             .chat()
             .create_byot(request)
+            .with_context(span.clone())
             .await
-            .map_err(|error| self.describe(error))
+            .map_err(|error| self.describe(error));
+        match &result {
+            Ok(response) => {
+                if telemetry::enabled() {
+                    span.span()
+                        .set_attributes(telemetry::chat_response_attributes(response));
+                }
+                telemetry::end::<ClientError>(&span, None);
+            }
+            Err(e) => telemetry::end(&span, Some(e)),
+        }
+        result
     }
 
     fn describe(&self, error: OpenAIError) -> ClientError {

@@ -9,6 +9,10 @@ use std::pin::Pin;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
+use opentelemetry::trace::{FutureExt as _, SpanKind, TraceContextExt as _};
+use opentelemetry::{Context, KeyValue};
+
+use crate::telemetry;
 
 use crate::types::{MetadataValue, RolloutException, Trajectory, TrajectoryGroup};
 
@@ -223,23 +227,64 @@ pub async fn gather_trajectory_groups<'a>(
     groups: impl IntoIterator<Item = PendingGroup<'a>>,
     options: GatherOptions<'a>,
 ) -> Result<Vec<TrajectoryGroup>, GatherError> {
+    // The trace: this span, a `trajectory_group` span per group (its after_each hook, RULER,
+    // runs inside it) and a `rollout` span per rollout, under which the rollout's own requests
+    // carry the trace to the server.
+    let span = telemetry::start("gather_trajectory_groups", SpanKind::Internal, Vec::new());
+    let result = gather_in(groups, options, &span)
+        .with_context(span.clone())
+        .await;
+    match &result {
+        Ok(groups) => {
+            let rollouts: usize = groups.iter().map(|g| g.trajectories.len()).sum();
+            span.span().set_attributes([
+                KeyValue::new("art.groups", groups.len() as i64),
+                KeyValue::new("art.trajectories", rollouts as i64),
+            ]);
+            telemetry::end::<GatherError>(&span, None);
+        }
+        Err(e) => telemetry::end(&span, Some(e)),
+    }
+    result
+}
+
+async fn gather_in<'a>(
+    groups: impl IntoIterator<Item = PendingGroup<'a>>,
+    options: GatherOptions<'a>,
+    span: &Context,
+) -> Result<Vec<TrajectoryGroup>, GatherError> {
     let mut queue = Vec::new();
     let mut slots = Vec::new();
     for (group_index, pending) in groups.into_iter().enumerate() {
         let size = pending.rollouts.len();
+        let group_span = telemetry::start_with_parent(
+            span,
+            "trajectory_group",
+            SpanKind::Internal,
+            vec![
+                KeyValue::new("art.group.index", group_index as i64),
+                KeyValue::new("art.group.size", size as i64),
+            ],
+        );
+        queue.extend(pending.rollouts.into_iter().enumerate().map(|(i, r)| {
+            let rollout_span = telemetry::start_with_parent(
+                &group_span,
+                "rollout",
+                SpanKind::Internal,
+                vec![
+                    KeyValue::new("art.group.index", group_index as i64),
+                    KeyValue::new("art.rollout.index", i as i64),
+                ],
+            );
+            (group_index, i, rollout_span, r)
+        }));
         slots.push(GroupSlot {
             results: (0..size).map(|_| None).collect(),
             remaining: size,
             exceptions: Vec::new(),
             metadata: pending.metadata,
+            span: group_span,
         });
-        queue.extend(
-            pending
-                .rollouts
-                .into_iter()
-                .enumerate()
-                .map(|(i, r)| (group_index, i, r)),
-        );
     }
     let total = queue.len();
     let allowed = options.max_exceptions.allowed(total);
@@ -260,9 +305,12 @@ pub async fn gather_trajectory_groups<'a>(
     let mut running = FuturesUnordered::new();
     let mut hooks = FuturesUnordered::new();
     let mut start_next = |running: &mut FuturesUnordered<_>| {
-        if let Some((group, index, rollout)) = pending_rollouts.next() {
+        if let Some((group, index, span, rollout)) = pending_rollouts.next() {
             running.push(async move {
-                let outcome = AssertUnwindSafe(rollout).catch_unwind().await;
+                let outcome = AssertUnwindSafe(rollout.with_context(span.clone()))
+                    .catch_unwind()
+                    .await;
+                end_rollout_span(&span, &outcome);
                 (group, index, outcome)
             });
         }
@@ -275,9 +323,11 @@ pub async fn gather_trajectory_groups<'a>(
         .filter(|&g| slots[g].remaining == 0)
         .collect();
     for group in empty {
+        let (taken, span) = slots[group].take();
         hooks.push(finish_group(
             group,
-            slots[group].take(),
+            taken,
+            span,
             options.after_each.as_ref(),
         ));
     }
@@ -318,7 +368,8 @@ pub async fn gather_trajectory_groups<'a>(
                     });
                 }
                 if slots[group].remaining == 0 {
-                    hooks.push(finish_group(group, slots[group].take(), options.after_each.as_ref()));
+                    let (taken, span) = slots[group].take();
+                    hooks.push(finish_group(group, taken, span, options.after_each.as_ref()));
                 }
                 bar.report(&options, &progress);
             }
@@ -339,33 +390,73 @@ struct GroupSlot {
     remaining: usize,
     exceptions: Vec<RolloutException>,
     metadata: BTreeMap<String, MetadataValue>,
+    /// The group's `trajectory_group` span, ended once its after_each hook is done.
+    span: Context,
 }
 
 impl GroupSlot {
-    /// The finished group: successful trajectories in their original order, failures as exceptions.
-    fn take(&mut self) -> TrajectoryGroup {
-        TrajectoryGroup {
+    /// The finished group (successful trajectories in their original order, failures as
+    /// exceptions) and its span.
+    fn take(&mut self) -> (TrajectoryGroup, Context) {
+        let group = TrajectoryGroup {
             trajectories: self.results.drain(..).flatten().collect(),
             exceptions: std::mem::take(&mut self.exceptions),
             metadata: std::mem::take(&mut self.metadata),
             ..Default::default()
-        }
+        };
+        (group, self.span.clone())
     }
 }
 
 async fn finish_group(
     index: usize,
     group: TrajectoryGroup,
+    span: Context,
     hook: Option<&AfterEachHook<'_>>,
 ) -> (usize, Result<Option<TrajectoryGroup>, GatherError>) {
     let result = match hook {
         None => Ok(Some(group)),
-        Some(hook) => hook(group).await.map_err(|source| GatherError::AfterEach {
-            group: index,
-            source,
-        }),
+        Some(hook) => hook(group)
+            .with_context(span.clone())
+            .await
+            .map_err(|source| GatherError::AfterEach {
+                group: index,
+                source,
+            }),
     };
+    match &result {
+        Ok(kept) => {
+            if let Some(group) = kept {
+                let rewards: Vec<f64> = group.trajectories.iter().map(|t| t.reward).collect();
+                let mean = rewards.iter().sum::<f64>() / rewards.len().max(1) as f64;
+                span.span().set_attributes([
+                    KeyValue::new("art.reward.mean", mean),
+                    KeyValue::new("art.exceptions", group.exceptions.len() as i64),
+                ]);
+            }
+            telemetry::end::<GatherError>(&span, None);
+        }
+        Err(e) => telemetry::end(&span, Some(e)),
+    }
     (index, result)
+}
+
+/// Records a rollout's outcome on its span and ends it.
+fn end_rollout_span(
+    span: &Context,
+    outcome: &Result<anyhow::Result<Trajectory>, Box<dyn std::any::Any + Send>>,
+) {
+    match outcome {
+        Ok(Ok(trajectory)) => {
+            span.span().set_attributes([
+                KeyValue::new("art.reward", trajectory.reward),
+                KeyValue::new("art.messages", trajectory.messages_and_choices.len() as i64),
+            ]);
+            telemetry::end::<String>(span, None);
+        }
+        Ok(Err(error)) => telemetry::end(span, Some(&format!("{error:#}"))),
+        Err(panic) => telemetry::end(span, Some(&panic_message(&**panic))),
+    }
 }
 
 /// Shows progress: a terminal bar on stderr, or a live output in the ART notebook kernel.

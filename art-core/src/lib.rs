@@ -15,6 +15,7 @@ pub mod gather;
 pub mod plots;
 pub mod ruler;
 pub mod store;
+pub mod telemetry;
 pub mod types;
 
 pub use backend::{

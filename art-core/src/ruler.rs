@@ -4,10 +4,13 @@
 
 use std::time::Instant;
 
+use opentelemetry::trace::{FutureExt as _, SpanKind, TraceContextExt as _};
+use opentelemetry::KeyValue;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::client::ChatEndpoint;
+use crate::telemetry;
 use crate::types::{
     ChatCompletionRequest, JsonSchemaFormat, Message, ResponseFormat, Tool, Trajectory,
     TrajectoryGroup,
@@ -106,6 +109,40 @@ pub enum RulerError {
 
 /// Scores trajectories relative to each other. Returns one score per trajectory, in order.
 pub async fn ruler(
+    trajectories: &[Trajectory],
+    options: &RulerOptions,
+) -> Result<RulerVerdict, RulerError> {
+    // A `ruler` span (inside the group's span when called from after_each), with the judge's
+    // `chat` spans under it.
+    let span = telemetry::start(
+        "ruler",
+        SpanKind::Internal,
+        vec![
+            KeyValue::new("art.ruler.judge", options.judge.model().to_string()),
+            KeyValue::new("art.trajectories", trajectories.len() as i64),
+        ],
+    );
+    let result = ruler_in(trajectories, options)
+        .with_context(span.clone())
+        .await;
+    match &result {
+        Ok(verdict) => {
+            let scores: Vec<f64> = verdict.scores.iter().map(|s| s.score).collect();
+            span.span().set_attributes([
+                KeyValue::new(
+                    "art.ruler.scores",
+                    opentelemetry::Value::Array(scores.into()),
+                ),
+                KeyValue::new("art.ruler.attempts", verdict.usage.attempts as i64),
+            ]);
+            telemetry::end::<RulerError>(&span, None);
+        }
+        Err(e) => telemetry::end(&span, Some(e)),
+    }
+    result
+}
+
+async fn ruler_in(
     trajectories: &[Trajectory],
     options: &RulerOptions,
 ) -> Result<RulerVerdict, RulerError> {

@@ -85,6 +85,7 @@ fn exit_when_stdin_closes() {
     std::thread::spawn(|| {
         let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
         eprintln!("art serve: standard input closed (the program that started this server ended); exiting");
+        art_core::telemetry::shutdown();
         std::process::exit(0);
     });
 }

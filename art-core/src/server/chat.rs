@@ -8,6 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
+use opentelemetry::trace::{SpanKind, TraceContextExt as _};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -16,6 +17,7 @@ use crate::engine::tool_calls::{conversation_for_template, ParsedCompletion, Too
 use crate::engine::{
     Completion, Constraint, GenerationOutput, GenerationRequest, SampledToken, SamplingParams,
 };
+use crate::telemetry;
 use crate::types::{
     ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs, ResponseFormat, TokenLogprob,
     Tool, TopLogprob, Usage,
@@ -42,13 +44,37 @@ pub async fn chat_completions(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
-    let (prepared, generation) = prepare(&state, &request)?;
-    let events = state.batcher.submit(generation)?;
-    if request.stream == Some(true) {
-        return Ok(stream(state, prepared, events).into_response());
+    // The `chat <model>` span (GenAI conventions), under the caller's rollout when it sent its
+    // trace; a streamed answer ends it when the last chunk is sent.
+    let span = telemetry::start(
+        format!("chat {}", request.model),
+        SpanKind::Server,
+        if telemetry::enabled() {
+            telemetry::chat_request_attributes(&request)
+        } else {
+            Vec::new()
+        },
+    );
+    let answer = async {
+        let (prepared, generation) = prepare(&state, &request)?;
+        let events = state.batcher.submit(generation)?;
+        if request.stream == Some(true) {
+            return Ok(stream(state.clone(), prepared, events, span.clone()).into_response());
+        }
+        let output = wait_for_output(events).await?;
+        let completion = completion(&state, &prepared, output);
+        if telemetry::enabled() {
+            span.span()
+                .set_attributes(telemetry::chat_response_attributes(&completion));
+        }
+        telemetry::end::<ApiError>(&span, None);
+        Ok(ApiJson(completion).into_response())
     }
-    let output = wait_for_output(events).await?;
-    Ok(ApiJson(completion(&state, &prepared, output)).into_response())
+    .await;
+    if let Err(e) = &answer {
+        telemetry::end(&span, Some(e));
+    }
+    answer
 }
 
 fn prepare(
@@ -386,6 +412,7 @@ fn stream(
     state: AppState,
     prepared: Prepared,
     mut events: mpsc::UnboundedReceiver<BatchEvent>,
+    span: opentelemetry::Context,
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let (sender, mut receiver) = mpsc::channel::<Event>(64);
     tokio::spawn(async move {
@@ -429,6 +456,10 @@ fn stream(
                     }
                 }
                 BatchEvent::Done(output) => {
+                    if telemetry::enabled() {
+                        record_streamed(&span, &prepared, &output);
+                    }
+                    telemetry::end::<ApiError>(&span, None);
                     for completion in &output.completions {
                         let parsed = parse_message(prepared.tool_format, &completion.text);
                         let mut delta = serde_json::Map::new();
@@ -479,9 +510,9 @@ fn stream(
                     message,
                     invalid_request,
                 } => {
-                    let _ = sender
-                        .send(data(&failure(message, invalid_request).body()))
-                        .await;
+                    let error = failure(message, invalid_request);
+                    telemetry::end(&span, Some(&error));
+                    let _ = sender.send(data(&error.body())).await;
                     return;
                 }
             }
@@ -490,6 +521,37 @@ fn stream(
     let stream =
         futures::stream::poll_fn(move |cx| receiver.poll_recv(cx).map(|event| event.map(Ok)));
     Sse::new(stream)
+}
+
+/// A streamed answer's GenAI attributes (the non-streamed path has the whole `ChatCompletion`).
+fn record_streamed(span: &opentelemetry::Context, prepared: &Prepared, output: &GenerationOutput) {
+    use opentelemetry::KeyValue;
+    use telemetry::genai;
+    let completion_tokens: usize = output.completions.iter().map(|c| c.tokens.len()).sum();
+    let texts: Vec<Value> = output
+        .completions
+        .iter()
+        .map(|c| json!({"role": "assistant", "content": c.text}))
+        .collect();
+    let finish: Vec<opentelemetry::StringValue> = output
+        .completions
+        .iter()
+        .map(|c| c.finish_reason.as_str().to_string().into())
+        .collect();
+    span.span().set_attributes([
+        KeyValue::new(genai::RESPONSE_MODEL, prepared.model.clone()),
+        KeyValue::new(genai::RESPONSE_ID, prepared.id.clone()),
+        KeyValue::new(genai::INPUT_TOKENS, output.prompt_tokens as i64),
+        KeyValue::new(genai::OUTPUT_TOKENS, completion_tokens as i64),
+        KeyValue::new(
+            genai::FINISH_REASONS,
+            opentelemetry::Value::Array(finish.into()),
+        ),
+        KeyValue::new(
+            genai::OUTPUT_MESSAGES,
+            telemetry::cut(Value::from(texts).to_string()),
+        ),
+    ]);
 }
 
 fn data(body: &Value) -> Event {

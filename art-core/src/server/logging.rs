@@ -6,8 +6,11 @@
 use std::sync::atomic::Ordering;
 
 use axum::extract::{Path, State};
+use opentelemetry::trace::{SpanKind, TraceContextExt as _};
+use opentelemetry::KeyValue;
 
 use crate::store::{LoggedMetrics, StoreError};
+use crate::telemetry;
 use crate::types::{HistoryList, LogRequest, TrajectoryGroupList};
 
 use super::error::{ApiError, ApiJson};
@@ -33,13 +36,36 @@ pub async fn log(
     let split = request.split.to_string();
     check_split(&split)?;
     let step = model.step.load(Ordering::SeqCst);
+    let span = telemetry::start(
+        "model.log",
+        SpanKind::Server,
+        vec![
+            KeyValue::new("art.model", name.clone()),
+            KeyValue::new("art.split", split.clone()),
+            KeyValue::new("art.step", step as i64),
+            KeyValue::new("art.groups", request.trajectory_groups.len() as i64),
+        ],
+    );
     let logged = tokio::task::spawn_blocking(move || {
         model.store.log(&request.trajectory_groups, &split, step)
     })
     .await
-    .map_err(|e| ApiError::internal(format!("logging stopped: {e}")))?
-    .map_err(store_error)?;
-    Ok(ApiJson(logged))
+    .map_err(|e| ApiError::internal(format!("logging stopped: {e}")))
+    .and_then(|logged| logged.map_err(store_error));
+    match &logged {
+        Ok(logged) => {
+            span.span().set_attributes(
+                logged
+                    .entry
+                    .metrics
+                    .iter()
+                    .map(|(name, value)| KeyValue::new(format!("art.log.{name}"), *value)),
+            );
+            telemetry::end::<ApiError>(&span, None);
+        }
+        Err(e) => telemetry::end(&span, Some(e)),
+    }
+    Ok(ApiJson(logged?))
 }
 
 pub async fn history(

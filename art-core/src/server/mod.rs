@@ -20,6 +20,7 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use opentelemetry::trace::FutureExt as _;
 use serde_json::{json, Value};
 
 use crate::engine::{Engine, LoadOptions, ModelSource};
@@ -144,7 +145,8 @@ pub fn router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
-        ));
+        ))
+        .route_layer(middleware::from_fn(join_caller_trace));
     Router::new()
         .route("/health", get(health))
         .nest("/v1", v1)
@@ -156,6 +158,9 @@ pub fn router(state: AppState) -> Router {
 
 /// Serves until the process is stopped. Prints one line with the address once it is listening.
 pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
+    if crate::telemetry::init("art-serve") {
+        eprintln!("art serve: exporting traces over OTLP (OTEL_EXPORTER_OTLP_ENDPOINT)");
+    }
     let state = tokio::task::block_in_place(|| build_state(&options))?;
     let listener = tokio::net::TcpListener::bind((options.host.as_str(), options.port)).await?;
     let address: SocketAddr = listener.local_addr()?;
@@ -166,6 +171,7 @@ pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown_signal())
         .await?;
+    tokio::task::block_in_place(crate::telemetry::shutdown);
     Ok(())
 }
 
@@ -176,6 +182,22 @@ pub async fn serve_on(listener: tokio::net::TcpListener, app: Router) -> std::io
 
 async fn shutdown_signal() {
     let _ = tokio::signal::ctrl_c().await;
+}
+
+/// Runs the request under the trace its caller sent (`traceparent`), so that the spans the
+/// handlers open (`chat`, `train_step`, `model.log`) join the caller's rollout or step.
+async fn join_caller_trace(request: Request, next: Next) -> Response {
+    if !crate::telemetry::enabled() {
+        return next.run(request).await;
+    }
+    let headers = request
+        .headers()
+        .iter()
+        .filter(|(name, _)| matches!(name.as_str(), "traceparent" | "tracestate"))
+        .filter_map(|(name, value)| Some((name.to_string(), value.to_str().ok()?.to_string())))
+        .collect();
+    let parent = crate::telemetry::extract(&headers);
+    next.run(request).with_context(parent).await
 }
 
 async fn require_api_key(

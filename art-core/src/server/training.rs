@@ -8,7 +8,11 @@ use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::mpsc;
 
+use opentelemetry::trace::{SpanKind, TraceContextExt as _};
+use opentelemetry::KeyValue;
+
 use crate::store::best_step;
+use crate::telemetry;
 use crate::train::{checkpoint_metrics, list_checkpoints, TrainError};
 use crate::types::{
     CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse,
@@ -40,7 +44,18 @@ pub async fn train(
     // queue on its trainer's lock. A client that goes away does not stop a step: its checkpoint
     // is still written, and the next get_step shows it.
     let (events, mut received) = mpsc::unbounded_channel::<Result<TrainEvent, TrainError>>();
+    // The step's `train_step` span, under the client's: it spans the wait for the trainer and the
+    // step itself, and carries the step's metrics.
+    let span = telemetry::start(
+        "train_step",
+        SpanKind::Server,
+        vec![
+            KeyValue::new("art.model", name.clone()),
+            KeyValue::new("art.groups", request.trajectory_groups.len() as i64),
+        ],
+    );
     tokio::task::spawn_blocking(move || {
+        let _in_span = span.clone().attach();
         let mut trainer = model
             .trainer
             .lock()
@@ -66,6 +81,21 @@ pub async fn train(
                     result.step, model.info.name
                 );
             }
+        }
+        match &outcome {
+            Ok(result) => {
+                let mut attributes = vec![KeyValue::new("art.step", result.step as i64)];
+                attributes.extend(
+                    result
+                        .metrics
+                        .history_metrics()
+                        .into_iter()
+                        .map(|(name, value)| KeyValue::new(format!("art.train.{name}"), value)),
+                );
+                span.span().set_attributes(attributes);
+                telemetry::end::<TrainError>(&span, None);
+            }
+            Err(e) => telemetry::end(&span, Some(e)),
         }
         let _ = events.send(outcome.map(TrainEvent::Result));
     });

@@ -134,6 +134,38 @@ fn rfc3339(unix_seconds: u64, micros: u32) -> String {
     )
 }
 
+/// Seconds since the Unix epoch of a `recorded_at` time: ours (`2025-06-14T18:08:45.123456Z`) or
+/// ART's (Python's `isoformat()`, local time without an offset, read as UTC). None when it is
+/// neither.
+pub(crate) fn parse_rfc3339(text: &str) -> Option<f64> {
+    let text = text.trim().trim_end_matches('Z');
+    let (date, time) = text.split_once(['T', ' '])?;
+    let mut date = date.splitn(3, '-').map(str::parse::<i64>);
+    let (year, month, day) = (date.next()?.ok()?, date.next()?.ok()?, date.next()?.ok()?);
+    // An explicit offset (`+02:00`) is dropped: the curves' wall times are for humans.
+    let time = time.split(['+', '-']).next()?;
+    let mut time = time.splitn(3, ':');
+    let hours: f64 = time.next()?.parse().ok()?;
+    let minutes: f64 = time.next()?.parse().ok()?;
+    let seconds: f64 = time.next().unwrap_or("0").parse().ok()?;
+    if !(1..=12).contains(&month) || !(1..=31).contains(&day) {
+        return None;
+    }
+    let days = days_from_civil(year, month as u32, day as u32);
+    Some(days as f64 * 86_400.0 + hours * 3600.0 + minutes * 60.0 + seconds)
+}
+
+/// (year, month, day) to days since 1970-01-01, the inverse of [`civil_from_days`].
+fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
+    let year = year - i64::from(month <= 2);
+    let era = year.div_euclid(400);
+    let yoe = year.rem_euclid(400);
+    let mp = i64::from((month + 9) % 12);
+    let doy = (153 * mp + 2) / 5 + i64::from(day) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
 /// Days since 1970-01-01 to (year, month, day), Howard Hinnant's algorithm.
 fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let z = days + 719_468;
@@ -159,6 +191,12 @@ mod tests {
         assert_eq!(rfc3339(1_749_924_525, 42), "2025-06-14T18:08:45.000042Z");
         assert_eq!(rfc3339(951_782_400, 0), "2000-02-29T00:00:00.000000Z");
         assert_eq!(rfc3339(4_107_542_399, 0), "2100-02-28T23:59:59.000000Z");
+        for seconds in [0, 1_749_924_525, 951_782_400, 4_107_542_399] {
+            let back = parse_rfc3339(&rfc3339(seconds, 250_000)).unwrap();
+            assert_eq!(back, seconds as f64 + 0.25);
+        }
+        assert_eq!(parse_rfc3339("2025-01-01T00:00:00"), Some(1_735_689_600.0));
+        assert_eq!(parse_rfc3339("yesterday"), None);
     }
 
     #[test]

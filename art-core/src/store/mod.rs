@@ -24,6 +24,7 @@
 pub(crate) mod atomic;
 pub(crate) mod history;
 pub mod metrics;
+pub mod tensorboard;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -311,6 +312,26 @@ impl ModelStore {
         text.push_str(&entry.to_json_line());
         text.push('\n');
         write_atomic(&path, text.as_bytes(), &self.faults).map_err(io_error("write", &path))?;
+        if tensorboard::enabled() {
+            // The curves are a view of the history: a failure to write them is reported (once
+            // per process) and never fails the history append or the step that called it.
+            let entries: Vec<HistoryEntry> = text
+                .lines()
+                .filter(|line| !line.trim().is_empty())
+                .filter_map(|line| history::parse_line(line).ok())
+                .flatten()
+                .collect();
+            if let Err(e) = tensorboard::sync(&self.dir, &entries) {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    eprintln!(
+                        "art: could not write the TensorBoard events of {}: {e} (history.jsonl is \
+                         complete; set ART_TENSORBOARD=0 to stop writing them)",
+                        self.dir.display()
+                    )
+                });
+            }
+        }
         Ok(entry)
     }
 
