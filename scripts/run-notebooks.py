@@ -102,6 +102,8 @@ def main():
     subprocess.run([kernel, "install", "--prefix", prefix], check=True)
     print(f"kernel installed in {time.monotonic() - started:.0f} s", flush=True)
     os.environ["JUPYTER_PATH"] = os.path.join(prefix, "share", "jupyter")
+    # Notebook 3 opens TensorBoard inline: the one installed beside this Python (requirements-test.txt).
+    os.environ.setdefault("ART_TENSORBOARD_BIN", os.path.join(os.path.dirname(sys.executable), "tensorboard"))
     for path in paths:
         run(os.path.abspath(path), args.write, args.timeout)
     print(f"{len(paths)} notebooks ran in {time.monotonic() - started:.0f} s")

@@ -192,22 +192,43 @@ pub fn acquire_slot(cache_dir: &Path) -> Result<Slot> {
             continue;
         }
         let dir = slots.join(n.to_string());
-        if !dir.exists() && n > 0 {
-            let seed = slots.join("0");
-            if seed.join("target").is_dir() {
-                if let Err(error) = link_tree(&seed, &dir) {
-                    eprintln!(
-                        "art-kernel: could not seed {} from slot 0 ({error}); compiling afresh",
-                        dir.display()
-                    );
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
+        let seed = slots.join("0");
+        if n > 0 && dir.exists() && warm_stamp(&dir) != warm_stamp(&seed) {
+            // Seeded before slot 0 was warmed again (a newer art-core, another linker): its
+            // build would start nearly from scratch; a fresh copy of slot 0 does not.
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        if !dir.exists() && n > 0 && seed.join("target").is_dir() {
+            if let Err(error) = link_tree(&seed, &dir) {
+                eprintln!(
+                    "art-kernel: could not seed {} from slot 0 ({error}); compiling afresh",
+                    dir.display()
+                );
+                let _ = std::fs::remove_dir_all(&dir);
             }
         }
         std::fs::create_dir_all(&dir)?;
         return Ok(Slot { dir, _lock: lock });
     }
     anyhow::bail!("all 64 build slots under {} are in use", slots.display())
+}
+
+/// The file in a slot saying which warm-up of slot 0 it is (a copy of).
+const WARM_STAMP: &str = ".warm-stamp";
+
+/// Marks a slot as freshly warmed by `install`; slots seeded from it carry the same stamp.
+pub fn stamp_warm_slot(slot: &Path) -> Result<()> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    let path = slot.join(WARM_STAMP);
+    std::fs::write(&path, format!("{nanos}\n"))
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+fn warm_stamp(slot: &Path) -> Option<String> {
+    std::fs::read_to_string(slot.join(WARM_STAMP)).ok()
 }
 
 /// Copies a directory tree for a new slot, keeping modification times so that cargo sees the
@@ -230,6 +251,13 @@ fn link_tree(from: &Path, to: &Path) -> std::io::Result<()> {
             || std::fs::hard_link(entry.path(), &target).is_err()
         {
             std::fs::copy(entry.path(), &target)?;
+            // `copy` gives the copy the time of now: a fingerprint newer than the artifacts it
+            // vouches for makes cargo rebuild every crate of the new slot.
+            let modified = entry.metadata()?.modified()?;
+            File::options()
+                .write(true)
+                .open(&target)?
+                .set_modified(modified)?;
         }
     }
     Ok(())
@@ -336,15 +364,45 @@ mod tests {
         assert!(first.dir.ends_with("slots/0"));
         std::fs::create_dir_all(first.dir.join("target/debug")).unwrap();
         std::fs::write(first.dir.join("target/debug/lib.rlib"), b"rlib").unwrap();
+        std::fs::write(first.dir.join("target/debug/lib.d"), b"deps").unwrap();
+        let an_hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+        File::options()
+            .write(true)
+            .open(first.dir.join("target/debug/lib.d"))
+            .unwrap()
+            .set_modified(an_hour_ago)
+            .unwrap();
         let second = acquire_slot(&cache).unwrap();
         assert!(second.dir.ends_with("slots/1"));
         assert_eq!(
             std::fs::read(second.dir.join("target/debug/lib.rlib")).unwrap(),
             b"rlib"
         );
+        // Copied files keep their time (cargo compares them with the artifacts).
+        let modified = |slot: &Path| {
+            std::fs::metadata(slot.join("target/debug/lib.d"))
+                .unwrap()
+                .modified()
+                .unwrap()
+        };
+        assert_eq!(modified(&second.dir), modified(&first.dir));
         drop(first);
         let again = acquire_slot(&cache).unwrap();
         assert!(again.dir.ends_with("slots/0"), "a released slot is reused");
+
+        // Slot 0 warmed again (install after an update): slot 1, seeded before, is reseeded.
+        // (A new file, as rustc writes one: slot 1 holds a hard link to the old one.)
+        std::fs::remove_file(again.dir.join("target/debug/lib.rlib")).unwrap();
+        std::fs::write(again.dir.join("target/debug/lib.rlib"), b"newer").unwrap();
+        stamp_warm_slot(&again.dir).unwrap();
+        drop(second);
+        let second = acquire_slot(&cache).unwrap();
+        assert!(second.dir.ends_with("slots/1"));
+        assert_eq!(
+            std::fs::read(second.dir.join("target/debug/lib.rlib")).unwrap(),
+            b"newer"
+        );
+        assert_eq!(warm_stamp(&second.dir), warm_stamp(&again.dir));
         drop((second, again));
         std::fs::remove_dir_all(&cache).unwrap();
     }

@@ -118,8 +118,55 @@ impl EvcxrEngine {
     }
 }
 
-impl Engine for EvcxrEngine {
-    fn execute(&mut self, code: &str) -> Result<Option<CellResult>, ErrorReport> {
+/// The span of a running cell and the file its trace context is written to.
+struct CellSpan {
+    cx: opentelemetry::Context,
+    file: Option<std::path::PathBuf>,
+}
+
+impl CellSpan {
+    fn start(code: &str) -> Self {
+        use art_core::telemetry;
+        if !telemetry::enabled() {
+            return CellSpan {
+                cx: opentelemetry::Context::new(),
+                file: None,
+            };
+        }
+        let cx = telemetry::start(
+            "cell",
+            opentelemetry::trace::SpanKind::Internal,
+            vec![opentelemetry::KeyValue::new(
+                "art.cell.code",
+                telemetry::cut(code.to_string()),
+            )],
+        );
+        let file = std::env::var_os(crate::install::CELL_TRACE_ENV).map(std::path::PathBuf::from);
+        if let Some(file) = &file {
+            let headers = telemetry::headers_of(&cx);
+            let traceparent = headers
+                .iter()
+                .find(|(name, _)| name == "traceparent")
+                .map_or("", |(_, value)| value.as_str());
+            let _ = std::fs::write(file, traceparent);
+        }
+        CellSpan { cx, file }
+    }
+
+    fn end(self, error: Option<&ErrorReport>) {
+        if let Some(file) = &self.file {
+            // Work left running after the cell is not the cell's.
+            let _ = std::fs::write(file, "");
+        }
+        art_core::telemetry::end(
+            &self.cx,
+            error.map(|e| format!("{}: {}", e.ename, e.evalue)).as_ref(),
+        );
+    }
+}
+
+impl EvcxrEngine {
+    fn execute_cell(&mut self, code: &str) -> Result<Option<CellResult>, ErrorReport> {
         self.control.interrupted.store(false, Ordering::SeqCst);
         self.question_mark_failed.store(false, Ordering::SeqCst);
         self.control.executing.store(true, Ordering::SeqCst);
@@ -181,6 +228,17 @@ impl Engine for EvcxrEngine {
             }
             Err(error) => Err(error_report(&error, code)),
         }
+    }
+}
+
+impl Engine for EvcxrEngine {
+    fn execute(&mut self, code: &str) -> Result<Option<CellResult>, ErrorReport> {
+        // With traces on, a `cell` span per execution; the cell's own spans (gather, RULER,
+        // training steps) join it through the file the child reads (art_core::telemetry).
+        let span = CellSpan::start(code);
+        let result = self.execute_cell(code);
+        span.end(result.as_ref().err());
+        result
     }
 
     fn complete(&mut self, code: &str, cursor: usize) -> Result<Completions> {

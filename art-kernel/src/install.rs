@@ -142,6 +142,9 @@ pub fn uninstall(location: &Location) -> Result<()> {
 
 /// Prepares the process environment for evcxr in `slot`: build directory, displays on, and evcxr's
 /// own configuration directory kept apart from a user's evcxr setup. Call before any thread starts.
+/// The variable naming the file that holds the running cell's trace context.
+pub const CELL_TRACE_ENV: &str = "ART_TRACEPARENT_FILE";
+
 pub fn set_engine_env(config: &KernelConfig, slot: &Path) {
     let evcxr_config = config.cache_dir.join("evcxr-config");
     let _ = std::fs::create_dir_all(&evcxr_config);
@@ -151,6 +154,13 @@ pub fn set_engine_env(config: &KernelConfig, slot: &Path) {
     std::env::set_var(art_core::display::wire::KERNEL_ENV, "1");
     if let Some(toolchain) = &config.toolchain {
         std::env::set_var("RUSTUP_TOOLCHAIN", toolchain);
+    }
+    // Where each cell's span is written for the cells' own spans (rollouts, RULER, steps) to
+    // join (art_core::telemetry), when traces are exported at all.
+    if std::env::var_os("OTEL_EXPORTER_OTLP_ENDPOINT").is_some()
+        || std::env::var_os("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some()
+    {
+        std::env::set_var(CELL_TRACE_ENV, slot.join("cell-traceparent"));
     }
     config.seed_lockfile(slot);
 }
@@ -176,6 +186,7 @@ fn warm(config: &KernelConfig) -> Result<String> {
     })?;
     engine.interrupter().shutdown();
     progress.finish();
+    crate::config::stamp_warm_slot(&slot.dir)?;
     Ok(engine.linker.clone())
 }
 

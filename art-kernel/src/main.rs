@@ -142,6 +142,8 @@ fn run(args: &[String]) -> Result<()> {
     config.write_cargo_config()?;
     let slot = acquire_slot(&config.cache_dir)?;
     install::set_engine_env(&config, &slot.dir);
+    // After the variables above: the exporter starts a thread of its own.
+    art_core::telemetry::init("art-kernel");
     let prelude = config.prelude();
 
     let runtime = tokio::runtime::Builder::new_multi_thread()

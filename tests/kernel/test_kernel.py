@@ -525,6 +525,55 @@ plots::reward_distribution_chart(&[group.clone()])
         self.assertEqual(reply["content"]["status"], "ok", outputs)
         self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"], "3")
 
+    def test_18_a_cells_rollouts_nest_under_its_span(self):
+        # With traces on (the OTEL_* variables in the kernel's environment), each cell is a span
+        # of the kernel, and what the cell runs (gather_trajectory_groups here) joins it.
+        folder = tempfile.mkdtemp(prefix="art-kernel-otlp-")
+        spans_path = os.path.join(folder, "spans.jsonl")
+        receiver = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "..", "observability", "otlp_receiver.py"),
+             spans_path], stdout=subprocess.PIPE, text=True)
+        port = int(receiver.stdout.readline().split()[1])
+        env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
+                   OTEL_BSP_SCHEDULE_DELAY="100")
+        km = KernelManager(kernel_name="art")
+        km.start_kernel(env=env)
+        kc = km.client()
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=300)
+            reply, outputs = run_cell(kc, (
+                "let groups = gather_trajectory_groups((0..2).map(|_| TrajectoryGroup::from_rollouts(\n"
+                "    (0..2).map(|i| async move { let mut t = Trajectory::new([Message::user(\"hi\")]);\n"
+                "        t.reward = i as f64; Ok::<_, std::io::Error>(t) }))), GatherOptions::new()).await?;\n"
+                "groups.len()"), timeout=300)
+            self.assertEqual(reply["content"]["status"], "ok", outputs)
+            spans = []
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if os.path.exists(spans_path):
+                    with open(spans_path) as f:
+                        spans = [json.loads(line) for line in f]
+                names = {s["name"] for s in spans}
+                if {"cell", "gather_trajectory_groups"} <= names:
+                    break
+                time.sleep(0.2)
+            cells = [s for s in spans if s["name"] == "cell" and "gather_trajectory_groups" in
+                     s["attributes"].get("art.cell.code", "")]
+            gathers = [s for s in spans if s["name"] == "gather_trajectory_groups"]
+            self.assertEqual(len(cells), 1, spans)
+            self.assertEqual(len(gathers), 1, spans)
+            self.assertEqual(cells[0]["service"], "art-kernel")
+            self.assertEqual(gathers[0]["parent_span_id"], cells[0]["span_id"])
+            self.assertEqual(gathers[0]["trace_id"], cells[0]["trace_id"])
+            groups = [s for s in spans if s["name"] == "trajectory_group"]
+            self.assertEqual(len(groups), 2)
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
+            receiver.kill()
+            shutil.rmtree(folder, ignore_errors=True)
+
 
 def main():
     if not os.path.exists(KERNEL_BIN):

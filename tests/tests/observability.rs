@@ -278,6 +278,33 @@ fn spans_reach_an_otlp_receiver_and_curves_reach_tensorboard() {
         .unwrap()
         .count();
     assert_eq!(files, 1, "one event file per model");
+
+    // The notebook's inline dashboard: TensorBoard's own server on the art dir lists the
+    // model's run and its scalars.
+    let binary = Path::new(&python()).with_file_name("tensorboard");
+    let board = art_core::display::tensorboard_with(&art_dir, &binary).expect("TensorBoard starts");
+    let again = art_core::display::tensorboard_with(&art_dir, &binary).unwrap();
+    assert_eq!(board.url, again.url, "one server per directory");
+    let tags = http_get(&format!("{}data/plugin/scalars/tags", board.url));
+    assert!(
+        tags.contains("observability/models/watched/tensorboard") && tags.contains("train/loss"),
+        "{tags}"
+    );
+}
+
+/// The body of a plain HTTP GET on loopback.
+fn http_get(url: &str) -> String {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://").unwrap();
+    let (host, path) = rest.split_once('/').unwrap();
+    let mut stream = std::net::TcpStream::connect(host).unwrap();
+    write!(stream, "GET /{path} HTTP/1.0\r\nHost: {host}\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or(response)
 }
 
 #[test]

@@ -25,6 +25,7 @@ mod html;
 mod progress;
 #[cfg(feature = "frames")]
 mod table;
+mod tensorboard;
 mod training;
 pub mod wire;
 
@@ -36,6 +37,7 @@ use serde_json::Value;
 
 pub use html::{escape_html, STYLE};
 pub use progress::GatherProgressView;
+pub use tensorboard::{tensorboard, tensorboard_with, TensorBoard, TensorBoardError};
 pub use training::TrainingView;
 use wire::DisplayMessage;
 

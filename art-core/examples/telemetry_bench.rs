@@ -1,0 +1,138 @@
+//! What trace export costs a training iteration (rollouts, `model.log`, a step) when its endpoint
+//! is down: the same iterations with traces off, with an endpoint that refuses connections, and
+//! with one that accepts and never answers, interleaved round by round, each in a process of its
+//! own (the OTEL_* variables are read once per process). Prints the median iteration time of each
+//! and its ratio to "off".
+//!
+//!     cargo run --release -p art-core --features server --example telemetry_bench [-- ROUNDS STEPS]
+//!
+//! (scripts/fetch-models.sh first; the `art` binary is found as for the main job.)
+
+use std::net::TcpListener;
+use std::process::Command;
+use std::time::Instant;
+
+use art_core::{
+    gather_trajectory_groups, telemetry, ChatCompletionRequest, GatherOptions, LocalBackend,
+    LocalBackendOptions, Message, Split, TrainConfig, TrainableModel, Trajectory, TrajectoryGroup,
+};
+
+async fn rollout(model: &TrainableModel, a: u32, seed: u64) -> anyhow::Result<Trajectory> {
+    let mut trajectory = Trajectory::new([
+        Message::system("Answer with the number only."),
+        Message::user(format!("What is {a} + 7?")),
+    ]);
+    let mut request = ChatCompletionRequest::new("", trajectory.messages());
+    request.max_tokens = Some(16);
+    request.temperature = Some(1.0);
+    request.seed = Some(seed);
+    request.logprobs = Some(true);
+    let choice = model.endpoint().complete(request).await?.choices.remove(0);
+    let text = choice.to_message().text();
+    trajectory.reward = f64::from(text.contains(&(a + 7).to_string())) + text.len() as f64 / 100.0;
+    trajectory.push_choice(choice);
+    Ok(trajectory)
+}
+
+/// The child: `steps` iterations, printing each one's seconds.
+async fn iterations(steps: usize) -> anyhow::Result<()> {
+    let backend = LocalBackend::start(LocalBackendOptions::default_model()?).await?;
+    let name = format!("bench-{}", std::process::id());
+    let model = TrainableModel::register(&backend, name, "telemetry-bench").await?;
+    for step in 0..steps {
+        let started = Instant::now();
+        let model = &model;
+        let groups = (0..4u32).map(|g| {
+            TrajectoryGroup::from_rollouts(
+                (0..4u64).map(move |i| rollout(model, g + 10 * step as u32, i)),
+            )
+        });
+        let groups =
+            gather_trajectory_groups(groups, GatherOptions::new().progress_bar(false)).await?;
+        model.log(&groups, Split::Train).await?;
+        model.train(&groups, &TrainConfig::default()).await?;
+        println!("iteration {:.4}", started.elapsed().as_secs_f64());
+    }
+    drop(model);
+    drop(backend);
+    telemetry::shutdown();
+    Ok(())
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("--child") {
+        return iterations(args[1].parse()?).await;
+    }
+    let rounds: usize = args.first().map_or(Ok(3), |a| a.parse())?;
+    let steps: usize = args.get(1).map_or(Ok(4), |a| a.parse())?;
+
+    let refusing = {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        format!("http://{}", listener.local_addr()?)
+    };
+    // Accepts connections and never answers: every export waits for its timeout.
+    let hanging = TcpListener::bind("127.0.0.1:0")?;
+    let hanging_url = format!("http://{}", hanging.local_addr()?);
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in hanging.incoming().flatten() {
+            held.push(stream);
+        }
+    });
+    let modes = [
+        ("off", None),
+        ("refusing", Some(refusing)),
+        ("hanging", Some(hanging_url)),
+    ];
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    for round in 0..rounds {
+        for (i, (mode, endpoint)) in modes.iter().enumerate() {
+            let mut command = Command::new(std::env::current_exe()?);
+            command.args(["--child", &steps.to_string()]);
+            for (key, _) in std::env::vars().filter(|(k, _)| k.starts_with("OTEL_")) {
+                command.env_remove(key);
+            }
+            if let Some(endpoint) = endpoint {
+                command.env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
+            }
+            let output = command.output()?;
+            anyhow::ensure!(
+                output.status.success(),
+                "{mode}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            let stdout = String::from_utf8_lossy(&output.stdout);
+            // The first iteration of a process warms caches: left out.
+            let mine: Vec<f64> = stdout
+                .lines()
+                .filter_map(|l| l.strip_prefix("iteration ")?.parse().ok())
+                .skip(1)
+                .collect();
+            eprintln!("round {round} {mode}: {mine:.3?}");
+            times[i].extend(mine);
+        }
+    }
+    let off = median(times[0].clone());
+    println!("iteration (4 groups x 4 rollouts, model.log, train step), median seconds:");
+    for ((mode, _), values) in modes.iter().zip(&times) {
+        let m = median(values.clone());
+        println!(
+            "  {mode:<9} {m:.3} s over {} iterations  ({:.3}x of off)",
+            values.len(),
+            m / off
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,145 @@
+//! TensorBoard's own dashboard inline in a notebook, as Python's `%tensorboard` magic does: the
+//! curves every model writes beside its history (store::tensorboard), in TensorBoard's UI. Our
+//! charts stay the default; this is for the people who live in TensorBoard.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), art_core::display::TensorBoardError> {
+//! // The last expression of a cell: TensorBoard, in the cell's output.
+//! art_core::display::tensorboard(".art")?;
+//! # Ok(()) }
+//! ```
+//!
+//! The server is started once per directory and reused by later cells. It runs under a small
+//! `sh` that holds a pipe from this process: when the process ends (the kernel stops, restarts
+//! or is killed), the pipe closes and the shell stops TensorBoard, so nothing is left behind.
+
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{ChildStdin, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::{MimeBundle, Render};
+
+/// A TensorBoard server on loopback, showing a log directory.
+#[derive(Debug, Clone)]
+pub struct TensorBoard {
+    pub url: String,
+    pub logdir: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TensorBoardError {
+    #[error(
+        "cannot start `{binary}`: {source}. Install it (`pip install tensorboard`) or set \
+         ART_TENSORBOARD_BIN to its path"
+    )]
+    NotInstalled { binary: String, source: io::Error },
+    #[error("TensorBoard did not answer on {url} within {seconds} s; its output: {output}")]
+    NoAnswer {
+        url: String,
+        seconds: u64,
+        output: String,
+    },
+    #[error("{0}")]
+    Io(#[from] io::Error),
+}
+
+/// Servers started by this process, by log directory. Their pipes stay open while it runs.
+static SERVERS: Mutex<Vec<(PathBuf, TensorBoard, ChildStdin)>> = Mutex::new(Vec::new());
+
+/// How long a starting TensorBoard gets to answer (its first start imports a lot of Python).
+const START_WAIT: Duration = Duration::from_secs(90);
+
+/// Starts (or finds, when this process already started it) a TensorBoard on `logdir`: an art
+/// directory shows every model's curves. Shown as the dashboard in a notebook, as its URL
+/// elsewhere.
+pub fn tensorboard(logdir: impl AsRef<Path>) -> Result<TensorBoard, TensorBoardError> {
+    let binary = std::env::var_os("ART_TENSORBOARD_BIN").unwrap_or_else(|| "tensorboard".into());
+    tensorboard_with(logdir, binary)
+}
+
+/// As [`tensorboard`], with the `tensorboard` program to run (e.g. a virtualenv's).
+pub fn tensorboard_with(
+    logdir: impl AsRef<Path>,
+    binary: impl AsRef<std::ffi::OsStr>,
+) -> Result<TensorBoard, TensorBoardError> {
+    let binary = binary.as_ref();
+    let logdir = std::path::absolute(logdir.as_ref())?;
+    let mut servers = SERVERS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, board, _)) = servers.iter().find(|(dir, _, _)| *dir == logdir) {
+        return Ok(board.clone());
+    }
+    let port = free_port()?;
+    let log =
+        std::env::temp_dir().join(format!("art-tensorboard-{}-{port}.log", std::process::id()));
+    // `sh` runs TensorBoard in the background and waits for its standard input to close, then
+    // stops it: the pipe is held by this process, so TensorBoard lives exactly as long.
+    let mut shell = Command::new("sh")
+        .arg("-c")
+        .arg(r#""$1" --logdir "$2" --host 127.0.0.1 --port "$3" >"$4" 2>&1 & board=$!; cat >/dev/null; kill $board"#)
+        .arg("sh")
+        .arg(binary)
+        .arg(&logdir)
+        .arg(port.to_string())
+        .arg(&log)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let stdin = shell.stdin.take().expect("stdin is piped");
+    let url = format!("http://127.0.0.1:{port}/");
+    let address: SocketAddr = ([127, 0, 0, 1], port).into();
+    let started = Instant::now();
+    loop {
+        if TcpStream::connect_timeout(&address, Duration::from_millis(200)).is_ok() {
+            break;
+        }
+        let output = std::fs::read_to_string(&log).unwrap_or_default();
+        let exited = matches!(shell.try_wait(), Ok(Some(_)));
+        if output.contains("not found") || output.contains("No such file") || exited {
+            drop(stdin);
+            return Err(TensorBoardError::NotInstalled {
+                binary: binary.to_string_lossy().into_owned(),
+                source: io::Error::other(output.trim().to_string()),
+            });
+        }
+        if started.elapsed() > START_WAIT {
+            drop(stdin);
+            return Err(TensorBoardError::NoAnswer {
+                url,
+                seconds: START_WAIT.as_secs(),
+                output,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Not waited for: the shell ends with this process (or when its pipe is dropped).
+    drop(shell);
+    let board = TensorBoard {
+        url,
+        logdir: logdir.clone(),
+    };
+    servers.push((logdir, board.clone(), stdin));
+    Ok(board)
+}
+
+fn free_port() -> io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Render for TensorBoard {
+    fn render(&self) -> MimeBundle {
+        let html = format!(
+            r#"<iframe src="{url}" title="TensorBoard: {dir}" style="width: 100%; height: 800px; border: 0;"></iframe>
+<div style="font-size: 0.85em;">TensorBoard on {dir}: <a href="{url}" target="_blank">{url}</a> (open it in a tab if the frame stays empty: the notebook's browser must reach this machine)</div>"#,
+            url = self.url,
+            dir = super::escape_html(&self.logdir.display().to_string()),
+        );
+        MimeBundle::new().with("text/html", html).with(
+            "text/plain",
+            format!("TensorBoard on {} at {}", self.logdir.display(), self.url),
+        )
+    }
+}
