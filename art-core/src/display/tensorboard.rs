@@ -13,7 +13,7 @@
 //! `sh` that holds a pipe from this process: when the process ends (the kernel stops, restarts
 //! or is killed), the pipe closes and the shell stops TensorBoard, so nothing is left behind.
 
-use std::io;
+use std::io::{self, BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{ChildStdin, Command, Stdio};
@@ -42,6 +42,8 @@ pub enum TensorBoardError {
         seconds: u64,
         output: String,
     },
+    #[error("TensorBoard stopped as it started; its output: {output}")]
+    Exited { output: String },
     #[error("{0}")]
     Io(#[from] io::Error),
 }
@@ -71,46 +73,52 @@ pub fn tensorboard_with(
     if let Some((_, board, _)) = servers.iter().find(|(dir, _, _)| *dir == logdir) {
         return Ok(board.clone());
     }
+    if !is_program(binary) {
+        return Err(TensorBoardError::NotInstalled {
+            binary: binary.to_string_lossy().into_owned(),
+            source: io::Error::new(io::ErrorKind::NotFound, "no such program"),
+        });
+    }
     let port = free_port()?;
     let log =
         std::env::temp_dir().join(format!("art-tensorboard-{}-{port}.log", std::process::id()));
-    // `sh` runs TensorBoard in the background and waits for its standard input to close, then
-    // stops it: the pipe is held by this process, so TensorBoard lives exactly as long.
+    // `sh` runs TensorBoard in the background, says its pid, and waits for its standard input
+    // to close, then stops it: the pipe is held by this process, so TensorBoard lives exactly
+    // as long.
     let mut shell = Command::new("sh")
         .arg("-c")
-        .arg(r#""$1" --logdir "$2" --host 127.0.0.1 --port "$3" >"$4" 2>&1 & board=$!; cat >/dev/null; kill $board"#)
+        .arg(r#""$1" --logdir "$2" --host 127.0.0.1 --port "$3" >"$4" 2>&1 & board=$!; echo $board; cat >/dev/null; kill $board"#)
         .arg("sh")
         .arg(binary)
         .arg(&logdir)
         .arg(port.to_string())
         .arg(&log)
         .stdin(Stdio::piped())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()?;
     let stdin = shell.stdin.take().expect("stdin is piped");
+    let mut pid = String::new();
+    BufReader::new(shell.stdout.take().expect("stdout is piped")).read_line(&mut pid)?;
+    let pid: u32 = pid
+        .trim()
+        .parse()
+        .map_err(|_| io::Error::other(format!("the shell starting TensorBoard said {pid:?}")))?;
     let url = format!("http://127.0.0.1:{port}/");
     let address: SocketAddr = ([127, 0, 0, 1], port).into();
     let started = Instant::now();
-    loop {
-        if TcpStream::connect_timeout(&address, Duration::from_millis(200)).is_ok() {
-            break;
-        }
-        let output = std::fs::read_to_string(&log).unwrap_or_default();
-        let exited = matches!(shell.try_wait(), Ok(Some(_)));
-        if output.contains("not found") || output.contains("No such file") || exited {
+    while TcpStream::connect_timeout(&address, Duration::from_millis(200)).is_err() {
+        let output = || std::fs::read_to_string(&log).unwrap_or_default();
+        if !is_running(pid) {
             drop(stdin);
-            return Err(TensorBoardError::NotInstalled {
-                binary: binary.to_string_lossy().into_owned(),
-                source: io::Error::other(output.trim().to_string()),
-            });
+            return Err(TensorBoardError::Exited { output: output() });
         }
         if started.elapsed() > START_WAIT {
             drop(stdin);
             return Err(TensorBoardError::NoAnswer {
                 url,
                 seconds: START_WAIT.as_secs(),
-                output,
+                output: output(),
             });
         }
         std::thread::sleep(Duration::from_millis(200));
@@ -123,6 +131,27 @@ pub fn tensorboard_with(
     };
     servers.push((logdir, board.clone(), stdin));
     Ok(board)
+}
+
+/// A path to a file, or a name found on PATH.
+fn is_program(binary: &std::ffi::OsStr) -> bool {
+    let path = Path::new(binary);
+    if path.components().count() > 1 {
+        return path.is_file();
+    }
+    std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(path).is_file()))
+}
+
+/// Whether a process runs (on Linux; elsewhere assumed, and a TensorBoard that stopped is found
+/// by the time limit). A zombie (exited, not yet reaped by the shell) does not run.
+fn is_running(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Err(_) => !Path::new("/proc/self").exists(),
+    }
 }
 
 fn free_port() -> io::Result<u16> {
@@ -141,5 +170,21 @@ impl Render for TensorBoard {
             "text/plain",
             format!("TensorBoard on {} at {}", self.logdir.display(), self.url),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_or_failing_tensorboard_is_a_clear_error() {
+        let dir = std::env::temp_dir();
+        let missing = tensorboard_with(&dir, "/no/such/tensorboard").unwrap_err();
+        assert!(matches!(missing, TensorBoardError::NotInstalled { .. }), "{missing}");
+        assert!(missing.to_string().contains("pip install tensorboard"));
+        // A program that stops at once (as TensorBoard does on a bad option or import error).
+        let stopped = tensorboard_with(&dir, "false").unwrap_err();
+        assert!(matches!(stopped, TensorBoardError::Exited { .. }), "{stopped}");
     }
 }
