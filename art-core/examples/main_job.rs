@@ -173,7 +173,7 @@ async fn main() -> anyhow::Result<()> {
         drop(model);
         drop(backend);
         art_core::telemetry::shutdown();
-        println!("traces sent to OTEL_EXPORTER_OTLP_ENDPOINT");
+        println!("traces flushed to OTEL_EXPORTER_OTLP_ENDPOINT (any that could not be sent are counted above)");
     }
     Ok(())
 }

@@ -50,8 +50,13 @@ async fn iterations(steps: usize) -> anyhow::Result<()> {
         let groups =
             gather_trajectory_groups(groups, GatherOptions::new().progress_bar(false)).await?;
         model.log(&groups, Split::Train).await?;
+        let step_started = Instant::now();
         model.train(&groups, &TrainConfig::default()).await?;
-        println!("iteration {:.4}", started.elapsed().as_secs_f64());
+        println!(
+            "iteration {:.4} step {:.4}",
+            started.elapsed().as_secs_f64(),
+            step_started.elapsed().as_secs_f64()
+        );
     }
     drop(model);
     drop(backend);
@@ -96,7 +101,8 @@ async fn main() -> anyhow::Result<()> {
         ("refusing", Some(refusing)),
         ("hanging", Some(hanging_url)),
     ];
-    let mut times: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    // Per mode: (iteration seconds, training-step seconds).
+    let mut times: Vec<(Vec<f64>, Vec<f64>)> = vec![Default::default(); modes.len()];
     for round in 0..rounds {
         for (i, (mode, endpoint)) in modes.iter().enumerate() {
             let mut command = Command::new(std::env::current_exe()?);
@@ -115,23 +121,32 @@ async fn main() -> anyhow::Result<()> {
             );
             let stdout = String::from_utf8_lossy(&output.stdout);
             // The first iteration of a process warms caches: left out.
-            let mine: Vec<f64> = stdout
+            for line in stdout
                 .lines()
-                .filter_map(|l| l.strip_prefix("iteration ")?.parse().ok())
+                .filter(|l| l.starts_with("iteration "))
                 .skip(1)
-                .collect();
-            eprintln!("round {round} {mode}: {mine:.3?}");
-            times[i].extend(mine);
+            {
+                let numbers: Vec<f64> = line
+                    .split_whitespace()
+                    .filter_map(|w| w.parse().ok())
+                    .collect();
+                times[i].0.push(numbers[0]);
+                times[i].1.push(numbers[1]);
+            }
+            eprintln!("round {round} {mode}: {:.3?}", times[i]);
         }
     }
-    let off = median(times[0].clone());
-    println!("iteration (4 groups x 4 rollouts, model.log, train step), median seconds:");
-    for ((mode, _), values) in modes.iter().zip(&times) {
-        let m = median(values.clone());
+    let (off_iteration, off_step) = (median(times[0].0.clone()), median(times[0].1.clone()));
+    println!(
+        "median seconds: iteration (4 groups x 4 rollouts, model.log, train step) / train step alone"
+    );
+    for ((mode, _), (iterations, steps)) in modes.iter().zip(&times) {
+        let (iteration, step) = (median(iterations.clone()), median(steps.clone()));
         println!(
-            "  {mode:<9} {m:.3} s over {} iterations  ({:.3}x of off)",
-            values.len(),
-            m / off
+            "  {mode:<9} {iteration:.3} s ({:.3}x of off) / {step:.3} s ({:.3}x of off), {} iterations",
+            iteration / off_iteration,
+            step / off_step,
+            iterations.len()
         );
     }
     Ok(())

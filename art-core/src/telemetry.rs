@@ -2,7 +2,8 @@
 //! OTLP collector). Off unless `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) is set;
 //! then the standard variables configure everything (`OTEL_EXPORTER_OTLP_HEADERS`,
 //! `OTEL_SERVICE_NAME`, `OTEL_EXPORTER_OTLP_TIMEOUT`, `OTEL_BSP_*`,
-//! `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`).
+//! `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`, `OTEL_RESOURCE_ATTRIBUTES`; `OTEL_SDK_DISABLED=true` or
+//! `OTEL_TRACES_EXPORTER=none` turn export off).
 //!
 //! The spans: `gather_trajectory_groups` > `trajectory_group` > `rollout` in the process that
 //! gathers; `chat <model>` for every completion (the client's, with the W3C `traceparent` header
@@ -208,6 +209,16 @@ mod exporter {
     }
 
     pub(super) fn install(service: Option<&str>) -> bool {
+        // The specification's switches for turning an SDK off whatever else is set.
+        let var = |name: &str| {
+            std::env::var(name)
+                .unwrap_or_default()
+                .trim()
+                .to_lowercase()
+        };
+        if var("OTEL_SDK_DISABLED") == "true" || var("OTEL_TRACES_EXPORTER") == "none" {
+            return false;
+        }
         let Some(endpoint) = endpoint() else {
             return false;
         };

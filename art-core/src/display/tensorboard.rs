@@ -181,10 +181,16 @@ mod tests {
     fn a_missing_or_failing_tensorboard_is_a_clear_error() {
         let dir = std::env::temp_dir();
         let missing = tensorboard_with(&dir, "/no/such/tensorboard").unwrap_err();
-        assert!(matches!(missing, TensorBoardError::NotInstalled { .. }), "{missing}");
+        assert!(
+            matches!(missing, TensorBoardError::NotInstalled { .. }),
+            "{missing}"
+        );
         assert!(missing.to_string().contains("pip install tensorboard"));
         // A program that stops at once (as TensorBoard does on a bad option or import error).
         let stopped = tensorboard_with(&dir, "false").unwrap_err();
-        assert!(matches!(stopped, TensorBoardError::Exited { .. }), "{stopped}");
+        assert!(
+            matches!(stopped, TensorBoardError::Exited { .. }),
+            "{stopped}"
+        );
     }
 }
