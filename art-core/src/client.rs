@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_openai::config::{Config, OpenAIConfig};
 use async_openai::error::OpenAIError;
-use opentelemetry::trace::{FutureExt as _, SpanKind, TraceContextExt as _};
+use opentelemetry::trace::{FutureExt as _, SpanKind};
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use secrecy::SecretString;
 
@@ -181,15 +181,7 @@ impl ChatEndpoint {
             request.model = self.model.clone();
         }
         request.stream = None;
-        let span = telemetry::start(
-            format!("chat {}", request.model),
-            SpanKind::Client,
-            if telemetry::enabled() {
-                telemetry::chat_request_attributes(&request)
-            } else {
-                Vec::new()
-            },
-        );
+        let span = telemetry::start_chat(&request, SpanKind::Client);
         let result: Result<ChatCompletion, ClientError> = self
             .client()
             .chat()
@@ -198,13 +190,7 @@ impl ChatEndpoint {
             .await
             .map_err(|error| self.describe(error));
         match &result {
-            Ok(response) => {
-                if telemetry::enabled() {
-                    span.span()
-                        .set_attributes(telemetry::chat_response_attributes(response));
-                }
-                telemetry::end::<ClientError>(&span, None);
-            }
+            Ok(response) => telemetry::end_chat(&span, response),
             Err(e) => telemetry::end(&span, Some(e)),
         }
         result

@@ -364,6 +364,25 @@ mod exporter {
     pub(super) fn shutdown() {}
 }
 
+/// A `chat <model>` span for a completion request, with its GenAI attributes (the client's
+/// `Client` span, or the server's `Server` span).
+pub fn start_chat(request: &ChatCompletionRequest, kind: SpanKind) -> Context {
+    let attributes = if enabled() {
+        chat_request_attributes(request)
+    } else {
+        Vec::new()
+    };
+    start(format!("chat {}", request.model), kind, attributes)
+}
+
+/// Records what a completion answered on its `chat` span and ends it.
+pub fn end_chat(cx: &Context, response: &ChatCompletion) {
+    if enabled() {
+        cx.span().set_attributes(chat_response_attributes(response));
+    }
+    end::<String>(cx, None);
+}
+
 /// A chat completion request as GenAI attributes (the span's name is `chat <model>`).
 pub fn chat_request_attributes(request: &ChatCompletionRequest) -> Vec<KeyValue> {
     let mut attributes = vec![

@@ -46,15 +46,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     // The `chat <model>` span (GenAI conventions), under the caller's rollout when it sent its
     // trace; a streamed answer ends it when the last chunk is sent.
-    let span = telemetry::start(
-        format!("chat {}", request.model),
-        SpanKind::Server,
-        if telemetry::enabled() {
-            telemetry::chat_request_attributes(&request)
-        } else {
-            Vec::new()
-        },
-    );
+    let span = telemetry::start_chat(&request, SpanKind::Server);
     let answer = async {
         let (prepared, generation) = prepare(&state, &request)?;
         let events = state.batcher.submit(generation)?;
@@ -63,11 +55,7 @@ pub async fn chat_completions(
         }
         let output = wait_for_output(events).await?;
         let completion = completion(&state, &prepared, output);
-        if telemetry::enabled() {
-            span.span()
-                .set_attributes(telemetry::chat_response_attributes(&completion));
-        }
-        telemetry::end::<ApiError>(&span, None);
+        telemetry::end_chat(&span, &completion);
         Ok(ApiJson(completion).into_response())
     }
     .await;
