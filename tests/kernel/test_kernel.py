@@ -535,7 +535,8 @@ plots::reward_distribution_chart(&[group.clone()])
              spans_path], stdout=subprocess.PIPE, text=True)
         port = int(receiver.stdout.readline().split()[1])
         env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
-                   OTEL_BSP_SCHEDULE_DELAY="100")
+                   OTEL_BSP_SCHEDULE_DELAY="100",
+                   ART_TENSORBOARD_BIN=os.path.join(os.path.dirname(sys.executable), "tensorboard"))
         km = KernelManager(kernel_name="art")
         km.start_kernel(env=env)
         kc = km.client()
@@ -568,11 +569,27 @@ plots::reward_distribution_chart(&[group.clone()])
             self.assertEqual(gathers[0]["trace_id"], cells[0]["trace_id"])
             groups = [s for s in spans if s["name"] == "trajectory_group"]
             self.assertEqual(len(groups), 2)
+
+            # TensorBoard inline: started by one cell, found again by a later one (each cell has
+            # its own copy of art-core's statics), stopped with the kernel.
+            urls = []
+            for _ in range(2):
+                reply, outputs = run_cell(kc, f'display::tensorboard("{folder}")?', timeout=180)
+                self.assertEqual(reply["content"]["status"], "ok", outputs)
+                html = of_type(outputs, "execute_result")[0]["content"]["data"]["text/html"]
+                urls.append(re.search(r'src="([^"]+)"', html).group(1))
+            self.assertEqual(urls[0], urls[1])
         finally:
             kc.stop_channels()
             km.shutdown_kernel(now=False)
             receiver.kill()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and subprocess.run(
+                    ["pgrep", "-f", f"--logdir {folder}"], capture_output=True).returncode == 0:
+                time.sleep(0.2)
+            left = subprocess.run(["pgrep", "-af", f"--logdir {folder}"], capture_output=True, text=True)
             shutil.rmtree(folder, ignore_errors=True)
+        self.assertEqual(left.stdout, "", "TensorBoard outlived its kernel")
 
 
 def main():

@@ -48,8 +48,37 @@ pub enum TensorBoardError {
     Io(#[from] io::Error),
 }
 
-/// Servers started by this process, by log directory. Their pipes stay open while it runs.
-static SERVERS: Mutex<Vec<(PathBuf, TensorBoard, ChildStdin)>> = Mutex::new(Vec::new());
+/// The pipes of the servers this copy of art-core started: open while the process runs.
+static PIPES: Mutex<Vec<ChildStdin>> = Mutex::new(Vec::new());
+
+/// Where this process notes the port of the server it started for `logdir`. A file, not a
+/// static: the notebook kernel links each cell with its own copy of art-core's statics, and a
+/// later cell must find the server an earlier one started.
+fn port_note(logdir: &Path) -> PathBuf {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    logdir.hash(&mut hasher);
+    std::env::temp_dir().join(format!(
+        "art-tensorboard-{}-{:016x}.port",
+        std::process::id(),
+        hasher.finish()
+    ))
+}
+
+/// The server noted for `logdir`, if it still answers.
+fn running_server(logdir: &Path) -> Option<TensorBoard> {
+    let port: u16 = std::fs::read_to_string(port_note(logdir))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let address: SocketAddr = ([127, 0, 0, 1], port).into();
+    TcpStream::connect_timeout(&address, Duration::from_millis(500)).ok()?;
+    Some(TensorBoard {
+        url: format!("http://127.0.0.1:{port}/"),
+        logdir: logdir.to_path_buf(),
+    })
+}
 
 /// How long a starting TensorBoard gets to answer (its first start imports a lot of Python).
 const START_WAIT: Duration = Duration::from_secs(90);
@@ -69,9 +98,9 @@ pub fn tensorboard_with(
 ) -> Result<TensorBoard, TensorBoardError> {
     let binary = binary.as_ref();
     let logdir = std::path::absolute(logdir.as_ref())?;
-    let mut servers = SERVERS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, board, _)) = servers.iter().find(|(dir, _, _)| *dir == logdir) {
-        return Ok(board.clone());
+    let mut pipes = PIPES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(board) = running_server(&logdir) {
+        return Ok(board);
     }
     if !is_program(binary) {
         return Err(TensorBoardError::NotInstalled {
@@ -129,7 +158,8 @@ pub fn tensorboard_with(
         url,
         logdir: logdir.clone(),
     };
-    servers.push((logdir, board.clone(), stdin));
+    pipes.push(stdin);
+    std::fs::write(port_note(&board.logdir), format!("{port}\n"))?;
     Ok(board)
 }
 
