@@ -58,10 +58,94 @@ async fn iterations(steps: usize) -> anyhow::Result<()> {
             step_started.elapsed().as_secs_f64()
         );
     }
+    // CPU time of the exporters' own threads (the SDK's batch processor, the blocking HTTP
+    // client's runtime), here and in `art serve`, against all the CPU both processes used.
+    let me = std::process::id();
+    let server = child_of(me);
+    let (mine, mine_total) = cpu_seconds(me);
+    let (theirs, theirs_total) = server.map_or((0.0, 0.0), cpu_seconds);
+    println!(
+        "cpu exporters {:.4} total {:.4}",
+        mine + theirs,
+        mine_total + theirs_total
+    );
+    // What one span costs the thread that makes it: a `chat` span with its GenAI attributes,
+    // started and ended, as every rollout makes.
+    if telemetry::enabled() {
+        let request = ChatCompletionRequest::new(
+            "bench",
+            vec![
+                Message::system("Answer with the number only."),
+                Message::user("What is 4 + 7?"),
+            ],
+        );
+        let started = Instant::now();
+        let count = 2000;
+        for _ in 0..count {
+            let span = telemetry::start_chat(&request, opentelemetry::trace::SpanKind::Client);
+            telemetry::end::<String>(&span, None);
+        }
+        println!(
+            "span_us {:.2}",
+            started.elapsed().as_secs_f64() * 1e6 / f64::from(count)
+        );
+    }
     drop(model);
     drop(backend);
     telemetry::shutdown();
     Ok(())
+}
+
+/// (CPU seconds of the exporter threads, CPU seconds of the whole process) from /proc.
+fn cpu_seconds(pid: u32) -> (f64, f64) {
+    let ticks = |stat: &str| -> f64 {
+        let fields: Vec<&str> = stat
+            .rsplit_once(')')
+            .map_or("", |(_, r)| r)
+            .split_whitespace()
+            .collect();
+        // utime and stime are fields 14 and 15 of stat, 12 and 13 after the command name.
+        let at = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        (at(11) + at(12)) / 100.0
+    };
+    let total = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(0.0, |s| ticks(&s));
+    let mut exporters = 0.0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.starts_with("OpenTelemetry") || comm.starts_with("reqwest-intern") {
+            exporters +=
+                std::fs::read_to_string(task.path().join("stat")).map_or(0.0, |s| ticks(&s));
+        }
+    }
+    (exporters, total)
+}
+
+/// The pid of this process's `art serve` child.
+fn child_of(parent: u32) -> Option<u32> {
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            let ppid: u32 = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            (ppid == parent).then_some(pid)
+        })
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -103,6 +187,8 @@ async fn main() -> anyhow::Result<()> {
     ];
     // Per mode: (iteration seconds, training-step seconds).
     let mut times: Vec<(Vec<f64>, Vec<f64>)> = vec![Default::default(); modes.len()];
+    // Per mode: exporter CPU seconds, all CPU seconds, per-span microseconds.
+    let mut cpu: Vec<(f64, f64, Vec<f64>)> = vec![Default::default(); modes.len()];
     for round in 0..rounds {
         for (i, (mode, endpoint)) in modes.iter().enumerate() {
             let mut command = Command::new(std::env::current_exe()?);
@@ -133,6 +219,17 @@ async fn main() -> anyhow::Result<()> {
                 times[i].0.push(numbers[0]);
                 times[i].1.push(numbers[1]);
             }
+            for line in stdout.lines() {
+                let words: Vec<&str> = line.split_whitespace().collect();
+                match words.as_slice() {
+                    ["cpu", "exporters", e, "total", t] => {
+                        cpu[i].0 += e.parse::<f64>()?;
+                        cpu[i].1 += t.parse::<f64>()?;
+                    }
+                    ["span_us", us] => cpu[i].2.push(us.parse()?),
+                    _ => {}
+                }
+            }
             eprintln!("round {round} {mode}: {:.3?}", times[i]);
         }
     }
@@ -147,6 +244,22 @@ async fn main() -> anyhow::Result<()> {
             iteration / off_iteration,
             step / off_step,
             iterations.len()
+        );
+    }
+    println!("CPU of the exporters' threads (client and server), of all the CPU the runs used:");
+    for ((mode, _), (exporters, total, span_us)) in modes.iter().zip(&cpu) {
+        let span = if span_us.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ", a chat span costs its thread {:.1} us",
+                median(span_us.clone())
+            )
+        };
+        println!(
+            "  {mode:<9} {:.3} s of {total:.1} s ({:.4}%){span}",
+            exporters,
+            100.0 * exporters / total
         );
     }
     Ok(())
