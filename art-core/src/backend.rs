@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use opentelemetry::trace::{FutureExt as _, SpanKind, TraceContextExt as _};
+use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -424,19 +424,10 @@ impl TrainableModel {
                 KeyValue::new("art.trajectories", rollouts as i64),
             ],
         );
-        let result = self
-            .train_in(groups, config, on_progress)
-            .with_context(span.clone())
-            .await;
-        match &result {
-            Ok(step) => {
-                span.span()
-                    .set_attribute(KeyValue::new("art.step", step.step as i64));
-                telemetry::end::<BackendError>(&span, None);
-            }
-            Err(e) => telemetry::end(&span, Some(e)),
-        }
-        result
+        telemetry::in_span(span, self.train_in(groups, config, on_progress), |step| {
+            vec![KeyValue::new("art.step", step.step as i64)]
+        })
+        .await
     }
 
     async fn train_in(
@@ -568,20 +559,12 @@ impl TrainableModel {
                 KeyValue::new("art.groups", groups.len() as i64),
             ],
         );
-        let result: Result<LoggedMetrics, BackendError> = self
-            .http
-            .post(&format!("/art/models/{}/log", self.name), &request)
-            .with_context(span.clone())
-            .await;
-        match &result {
-            Ok(logged) => {
-                span.span()
-                    .set_attribute(KeyValue::new("art.step", logged.entry.step as i64));
-                telemetry::end::<BackendError>(&span, None);
-            }
-            Err(e) => telemetry::end(&span, Some(e)),
-        }
-        result
+        let path = format!("/art/models/{}/log", self.name);
+        let logged = self.http.post::<LoggedMetrics>(&path, &request);
+        telemetry::in_span(span, logged, |logged| {
+            vec![KeyValue::new("art.step", logged.entry.step as i64)]
+        })
+        .await
     }
 
     /// The model's history.jsonl as the backend has it: what [`TrainableModel::log`] recorded

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_openai::config::{Config, OpenAIConfig};
 use async_openai::error::OpenAIError;
-use opentelemetry::trace::{FutureExt as _, SpanKind};
+use opentelemetry::trace::SpanKind;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use secrecy::SecretString;
 
@@ -182,18 +182,15 @@ impl ChatEndpoint {
         }
         request.stream = None;
         let span = telemetry::start_chat(&request, SpanKind::Client);
-        let result: Result<ChatCompletion, ClientError> = self
-            .client()
-            .chat()
-            .create_byot(request)
-            .with_context(span.clone())
-            .await
-            .map_err(|error| self.describe(error));
-        match &result {
-            Ok(response) => telemetry::end_chat(&span, response),
-            Err(e) => telemetry::end(&span, Some(e)),
-        }
-        result
+        let client = self.client();
+        let answer = async {
+            client
+                .chat()
+                .create_byot(request)
+                .await
+                .map_err(|error| self.describe(error))
+        };
+        telemetry::in_span(span, answer, telemetry::chat_response_attributes).await
     }
 
     fn describe(&self, error: OpenAIError) -> ClientError {

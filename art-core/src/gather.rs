@@ -9,11 +9,10 @@ use std::pin::Pin;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
-use opentelemetry::trace::{FutureExt as _, SpanKind, TraceContextExt as _};
+use opentelemetry::trace::{FutureExt as _, SpanKind};
 use opentelemetry::{Context, KeyValue};
 
 use crate::telemetry;
-
 use crate::types::{MetadataValue, RolloutException, Trajectory, TrajectoryGroup};
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -231,21 +230,15 @@ pub async fn gather_trajectory_groups<'a>(
     // runs inside it) and a `rollout` span per rollout, under which the rollout's own requests
     // carry the trace to the server.
     let span = telemetry::start("gather_trajectory_groups", SpanKind::Internal, Vec::new());
-    let result = gather_in(groups, options, &span)
-        .with_context(span.clone())
-        .await;
-    match &result {
-        Ok(groups) => {
-            let rollouts: usize = groups.iter().map(|g| g.trajectories.len()).sum();
-            span.span().set_attributes([
-                KeyValue::new("art.groups", groups.len() as i64),
-                KeyValue::new("art.trajectories", rollouts as i64),
-            ]);
-            telemetry::end::<GatherError>(&span, None);
-        }
-        Err(e) => telemetry::end(&span, Some(e)),
-    }
-    result
+    let gathered = gather_in(groups, options, &span);
+    telemetry::in_span(span.clone(), gathered, |groups| {
+        let rollouts: usize = groups.iter().map(|g| g.trajectories.len()).sum();
+        vec![
+            KeyValue::new("art.groups", groups.len() as i64),
+            KeyValue::new("art.trajectories", rollouts as i64),
+        ]
+    })
+    .await
 }
 
 async fn gather_in<'a>(
@@ -424,20 +417,17 @@ async fn finish_group(
                 source,
             }),
     };
-    match &result {
-        Ok(kept) => {
-            if let Some(group) = kept {
-                let rewards: Vec<f64> = group.trajectories.iter().map(|t| t.reward).collect();
-                let mean = rewards.iter().sum::<f64>() / rewards.len().max(1) as f64;
-                span.span().set_attributes([
-                    KeyValue::new("art.reward.mean", mean),
-                    KeyValue::new("art.exceptions", group.exceptions.len() as i64),
-                ]);
-            }
-            telemetry::end::<GatherError>(&span, None);
-        }
-        Err(e) => telemetry::end(&span, Some(e)),
-    }
+    telemetry::end_with(&span, &result, |kept| {
+        let Some(group) = kept else {
+            return Vec::new();
+        };
+        let rewards = group.trajectories.iter().map(|t| t.reward);
+        let mean = rewards.sum::<f64>() / group.trajectories.len().max(1) as f64;
+        vec![
+            KeyValue::new("art.reward.mean", mean),
+            KeyValue::new("art.exceptions", group.exceptions.len() as i64),
+        ]
+    });
     (index, result)
 }
 
@@ -447,14 +437,16 @@ fn end_rollout_span(
     outcome: &Result<anyhow::Result<Trajectory>, Box<dyn std::any::Any + Send>>,
 ) {
     match outcome {
-        Ok(Ok(trajectory)) => {
-            span.span().set_attributes([
-                KeyValue::new("art.reward", trajectory.reward),
-                KeyValue::new("art.messages", trajectory.messages_and_choices.len() as i64),
-            ]);
-            telemetry::end::<String>(span, None);
+        Ok(result) => {
+            // `{:#}`: the error with its causes, as the group's exception records it.
+            let result = result.as_ref().map_err(|error| format!("{error:#}"));
+            telemetry::end_with(span, &result, |trajectory| {
+                vec![
+                    KeyValue::new("art.reward", trajectory.reward),
+                    KeyValue::new("art.messages", trajectory.messages_and_choices.len() as i64),
+                ]
+            });
         }
-        Ok(Err(error)) => telemetry::end(span, Some(&format!("{error:#}"))),
         Err(panic) => telemetry::end(span, Some(&panic_message(&**panic))),
     }
 }

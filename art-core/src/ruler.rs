@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use opentelemetry::trace::{FutureExt as _, SpanKind, TraceContextExt as _};
+use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -122,24 +122,17 @@ pub async fn ruler(
             KeyValue::new("art.trajectories", trajectories.len() as i64),
         ],
     );
-    let result = ruler_in(trajectories, options)
-        .with_context(span.clone())
-        .await;
-    match &result {
-        Ok(verdict) => {
-            let scores: Vec<f64> = verdict.scores.iter().map(|s| s.score).collect();
-            span.span().set_attributes([
-                KeyValue::new(
-                    "art.ruler.scores",
-                    opentelemetry::Value::Array(scores.into()),
-                ),
-                KeyValue::new("art.ruler.attempts", verdict.usage.attempts as i64),
-            ]);
-            telemetry::end::<RulerError>(&span, None);
-        }
-        Err(e) => telemetry::end(&span, Some(e)),
-    }
-    result
+    telemetry::in_span(span, ruler_in(trajectories, options), |verdict| {
+        let scores: Vec<f64> = verdict.scores.iter().map(|s| s.score).collect();
+        vec![
+            KeyValue::new(
+                "art.ruler.scores",
+                opentelemetry::Value::Array(scores.into()),
+            ),
+            KeyValue::new("art.ruler.attempts", verdict.usage.attempts as i64),
+        ]
+    })
+    .await
 }
 
 async fn ruler_in(

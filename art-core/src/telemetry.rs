@@ -19,16 +19,15 @@
 //! `opentelemetry` API's no-op.
 
 use std::collections::HashMap;
+use std::fmt::Display;
+use std::future::Future;
 use std::sync::OnceLock;
 
 use opentelemetry::propagation::{Extractor, Injector};
-use opentelemetry::trace::{SpanKind, TraceContextExt, Tracer};
+use opentelemetry::trace::{FutureExt as _, SpanKind, Status, TraceContextExt, Tracer};
 use opentelemetry::{global, Context, KeyValue};
 
 use crate::types::{ChatCompletion, ChatCompletionRequest};
-
-pub use opentelemetry::trace::FutureExt as TraceFutureExt;
-pub use opentelemetry::trace::Status;
 
 /// The instrumentation scope our spans are reported under.
 const SCOPE: &str = "art-for-rust";
@@ -57,9 +56,13 @@ pub fn shutdown() {
 }
 
 /// Starts a span as a child of the current context's span (or of the process's ambient parent,
-/// see the module doc) and returns the context holding it: run work under it with
-/// `.with_context(cx.clone())`, record on it with `cx.span()`, and end it with `cx.span().end()`.
+/// see the module doc) and returns the context holding it: run work under it with [`in_span`]
+/// (or `.with_context(cx.clone())` and [`end_with`]).
 pub fn start(name: impl Into<String>, kind: SpanKind, attributes: Vec<KeyValue>) -> Context {
+    if !enabled() {
+        // Before `parent()`: no environment or file is read for a span nobody exports.
+        return Context::current();
+    }
     start_with_parent(&parent(), name, kind, attributes)
 }
 
@@ -83,12 +86,41 @@ pub fn start_with_parent(
 }
 
 /// Ends the span of `cx`, as failed with `error` when there is one.
-pub fn end<E: std::fmt::Display>(cx: &Context, error: Option<&E>) {
+pub fn end<E: Display>(cx: &Context, error: Option<&E>) {
     let span = cx.span();
     if let Some(error) = error {
         span.set_status(Status::error(error.to_string()));
     }
     span.end();
+}
+
+/// Ends the span of `cx` as `result` says: a success with the attributes `on_ok` gives (computed
+/// only when spans are exported), a failure with its error as the status.
+pub fn end_with<T, E: Display>(
+    cx: &Context,
+    result: &Result<T, E>,
+    on_ok: impl FnOnce(&T) -> Vec<KeyValue>,
+) {
+    match result {
+        Ok(value) => {
+            if enabled() {
+                cx.span().set_attributes(on_ok(value));
+            }
+            end::<E>(cx, None);
+        }
+        Err(error) => end(cx, Some(error)),
+    }
+}
+
+/// Runs `work` under the span of `cx`, then ends the span with [`end_with`].
+pub async fn in_span<T, E: Display>(
+    cx: Context,
+    work: impl Future<Output = Result<T, E>>,
+    on_ok: impl FnOnce(&T) -> Vec<KeyValue>,
+) -> Result<T, E> {
+    let result = work.with_context(cx.clone()).await;
+    end_with(&cx, &result, on_ok);
+    result
 }
 
 /// The parent of a new span: the current one, else the ambient parent of the process.
@@ -160,14 +192,15 @@ pub fn cut(text: String) -> String {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(16 * 1024)
     });
-    if text.len() <= limit {
-        return text;
+    let mut text = text;
+    if text.len() > limit {
+        let mut end = limit;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
     }
-    let mut end = limit;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    text[..end].to_string()
+    text
 }
 
 #[cfg(feature = "otlp")]
@@ -377,10 +410,9 @@ pub fn start_chat(request: &ChatCompletionRequest, kind: SpanKind) -> Context {
 
 /// Records what a completion answered on its `chat` span and ends it.
 pub fn end_chat(cx: &Context, response: &ChatCompletion) {
-    if enabled() {
-        cx.span().set_attributes(chat_response_attributes(response));
-    }
-    end::<String>(cx, None);
+    end_with(cx, &Ok::<_, String>(response), |r| {
+        chat_response_attributes(r)
+    });
 }
 
 /// A chat completion request as GenAI attributes (the span's name is `chat <model>`).

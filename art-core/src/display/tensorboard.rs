@@ -72,12 +72,21 @@ fn running_server(logdir: &Path) -> Option<TensorBoard> {
         .trim()
         .parse()
         .ok()?;
-    let address: SocketAddr = ([127, 0, 0, 1], port).into();
-    TcpStream::connect_timeout(&address, Duration::from_millis(500)).ok()?;
-    Some(TensorBoard {
-        url: format!("http://127.0.0.1:{port}/"),
-        logdir: logdir.to_path_buf(),
-    })
+    TcpStream::connect_timeout(&loopback(port), Duration::from_millis(500)).ok()?;
+    Some(TensorBoard::on(logdir.to_path_buf(), port))
+}
+
+fn loopback(port: u16) -> SocketAddr {
+    ([127, 0, 0, 1], port).into()
+}
+
+impl TensorBoard {
+    fn on(logdir: PathBuf, port: u16) -> Self {
+        TensorBoard {
+            url: format!("http://127.0.0.1:{port}/"),
+            logdir,
+        }
+    }
 }
 
 /// How long a starting TensorBoard gets to answer (its first start imports a lot of Python).
@@ -133,19 +142,17 @@ pub fn tensorboard_with(
         .trim()
         .parse()
         .map_err(|_| io::Error::other(format!("the shell starting TensorBoard said {pid:?}")))?;
-    let url = format!("http://127.0.0.1:{port}/");
-    let address: SocketAddr = ([127, 0, 0, 1], port).into();
+    let board = TensorBoard::on(logdir, port);
     let started = Instant::now();
-    while TcpStream::connect_timeout(&address, Duration::from_millis(200)).is_err() {
+    // On an early return `stdin` is dropped, which stops the shell and what it started.
+    while TcpStream::connect_timeout(&loopback(port), Duration::from_millis(200)).is_err() {
         let output = || std::fs::read_to_string(&log).unwrap_or_default();
         if !is_running(pid) {
-            drop(stdin);
             return Err(TensorBoardError::Exited { output: output() });
         }
         if started.elapsed() > START_WAIT {
-            drop(stdin);
             return Err(TensorBoardError::NoAnswer {
-                url,
+                url: board.url,
                 seconds: START_WAIT.as_secs(),
                 output: output(),
             });
@@ -154,10 +161,6 @@ pub fn tensorboard_with(
     }
     // Not waited for: the shell ends with this process (or when its pipe is dropped).
     drop(shell);
-    let board = TensorBoard {
-        url,
-        logdir: logdir.clone(),
-    };
     pipes.push(stdin);
     std::fs::write(port_note(&board.logdir), format!("{port}\n"))?;
     Ok(board)

@@ -8,7 +8,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use opentelemetry::trace::{SpanKind, TraceContextExt as _};
+use opentelemetry::trace::SpanKind;
+use opentelemetry::KeyValue;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -444,10 +445,9 @@ fn stream(
                     }
                 }
                 BatchEvent::Done(output) => {
-                    if telemetry::enabled() {
-                        record_streamed(&span, &prepared, &output);
-                    }
-                    telemetry::end::<ApiError>(&span, None);
+                    telemetry::end_with(&span, &Ok::<_, ApiError>(&output), |output| {
+                        streamed_attributes(&prepared, output)
+                    });
                     for completion in &output.completions {
                         let parsed = parse_message(prepared.tool_format, &completion.text);
                         let mut delta = serde_json::Map::new();
@@ -512,8 +512,7 @@ fn stream(
 }
 
 /// A streamed answer's GenAI attributes (the non-streamed path has the whole `ChatCompletion`).
-fn record_streamed(span: &opentelemetry::Context, prepared: &Prepared, output: &GenerationOutput) {
-    use opentelemetry::KeyValue;
+fn streamed_attributes(prepared: &Prepared, output: &GenerationOutput) -> Vec<KeyValue> {
     use telemetry::genai;
     let completion_tokens: usize = output.completions.iter().map(|c| c.tokens.len()).sum();
     let texts: Vec<Value> = output
@@ -526,7 +525,7 @@ fn record_streamed(span: &opentelemetry::Context, prepared: &Prepared, output: &
         .iter()
         .map(|c| c.finish_reason.as_str().to_string().into())
         .collect();
-    span.span().set_attributes([
+    vec![
         KeyValue::new(genai::RESPONSE_MODEL, prepared.model.clone()),
         KeyValue::new(genai::RESPONSE_ID, prepared.id.clone()),
         KeyValue::new(genai::INPUT_TOKENS, output.prompt_tokens as i64),
@@ -539,7 +538,7 @@ fn record_streamed(span: &opentelemetry::Context, prepared: &Prepared, output: &
             genai::OUTPUT_MESSAGES,
             telemetry::cut(Value::from(texts).to_string()),
         ),
-    ]);
+    ]
 }
 
 fn data(body: &Value) -> Event {

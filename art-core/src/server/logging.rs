@@ -6,7 +6,7 @@
 use std::sync::atomic::Ordering;
 
 use axum::extract::{Path, State};
-use opentelemetry::trace::{SpanKind, TraceContextExt as _};
+use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 
 use crate::store::{LoggedMetrics, StoreError};
@@ -52,19 +52,14 @@ pub async fn log(
     .await
     .map_err(|e| ApiError::internal(format!("logging stopped: {e}")))
     .and_then(|logged| logged.map_err(store_error));
-    match &logged {
-        Ok(logged) => {
-            span.span().set_attributes(
-                logged
-                    .entry
-                    .metrics
-                    .iter()
-                    .map(|(name, value)| KeyValue::new(format!("art.log.{name}"), *value)),
-            );
-            telemetry::end::<ApiError>(&span, None);
-        }
-        Err(e) => telemetry::end(&span, Some(e)),
-    }
+    telemetry::end_with(&span, &logged, |logged| {
+        logged
+            .entry
+            .metrics
+            .iter()
+            .map(|(name, value)| KeyValue::new(format!("art.log.{name}"), *value))
+            .collect()
+    });
     Ok(ApiJson(logged?))
 }
 

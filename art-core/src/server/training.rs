@@ -8,7 +8,7 @@ use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::mpsc;
 
-use opentelemetry::trace::{SpanKind, TraceContextExt as _};
+use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 
 use crate::store::best_step;
@@ -82,21 +82,14 @@ pub async fn train(
                 );
             }
         }
-        match &outcome {
-            Ok(result) => {
-                let mut attributes = vec![KeyValue::new("art.step", result.step as i64)];
-                attributes.extend(
-                    result
-                        .metrics
-                        .history_metrics()
-                        .into_iter()
-                        .map(|(name, value)| KeyValue::new(format!("art.train.{name}"), value)),
-                );
-                span.span().set_attributes(attributes);
-                telemetry::end::<TrainError>(&span, None);
-            }
-            Err(e) => telemetry::end(&span, Some(e)),
-        }
+        telemetry::end_with(&span, &outcome, |result| {
+            let metrics = result.metrics.history_metrics().into_iter();
+            std::iter::once(KeyValue::new("art.step", result.step as i64))
+                .chain(
+                    metrics.map(|(name, value)| KeyValue::new(format!("art.train.{name}"), value)),
+                )
+                .collect()
+        });
         let _ = events.send(outcome.map(TrainEvent::Result));
     });
 

@@ -114,6 +114,16 @@ pub(crate) fn parse_line(line: &str) -> Result<Vec<HistoryEntry>, String> {
     Ok(by_split.into_values().collect())
 }
 
+/// The entries of each non-empty line of a history.jsonl text, with the line's number (from 1).
+pub(crate) fn parse_lines(
+    text: &str,
+) -> impl Iterator<Item = (usize, Result<Vec<HistoryEntry>, String>)> + '_ {
+    text.lines()
+        .enumerate()
+        .filter(|(_, line)| !line.trim().is_empty())
+        .map(|(i, line)| (i + 1, parse_line(line)))
+}
+
 /// Now as RFC 3339 UTC with microseconds (`2025-06-14T18:08:45.123456Z`), without a date crate.
 pub(crate) fn now_rfc3339() -> String {
     let since = SystemTime::now()

@@ -315,10 +315,8 @@ impl ModelStore {
         if tensorboard::enabled() {
             // The curves are a view of the history: a failure to write them is reported (once
             // per process) and never fails the history append or the step that called it.
-            let entries: Vec<HistoryEntry> = text
-                .lines()
-                .filter(|line| !line.trim().is_empty())
-                .filter_map(|line| history::parse_line(line).ok())
+            let entries: Vec<HistoryEntry> = history::parse_lines(&text)
+                .filter_map(|(_, parsed)| parsed.ok())
                 .flatten()
                 .collect();
             if let Err(e) = tensorboard::sync(&self.dir, &entries) {
@@ -344,17 +342,12 @@ impl ModelStore {
             Err(e) => return Err(io_error("read", &path)(e)),
         };
         let mut entries = Vec::new();
-        for (i, line) in text.lines().enumerate() {
-            if line.trim().is_empty() {
-                continue;
-            }
-            let parsed =
-                history::parse_line(line).map_err(|problem| StoreError::CorruptHistory {
-                    path: path.clone(),
-                    line: i + 1,
-                    problem,
-                })?;
-            entries.extend(parsed);
+        for (line, parsed) in history::parse_lines(&text) {
+            entries.extend(parsed.map_err(|problem| StoreError::CorruptHistory {
+                path: path.clone(),
+                line,
+                problem,
+            })?);
         }
         Ok(entries)
     }

@@ -1,8 +1,8 @@
 //! TensorBoard's view of history.jsonl: every history entry is also one TensorBoard event (one
 //! scalar per metric, tagged `split/metric` as in history.jsonl), appended to
 //! `<model dir>/tensorboard/events.out.tfevents.<seconds>.<host>.art`, so that
-//! `tensorboard --logdir <art dir>` shows every model's curves and `wandb sync --sync-tensorboard`
-//! can take them to W&B.
+//! `tensorboard --logdir <art dir>` shows every model's curves (scripts/wandb-log.py sends the
+//! same history to W&B).
 //!
 //! The file is TensorFlow's TFRecord framing (length, masked CRC-32C of the length, the bytes,
 //! masked CRC-32C of the bytes) around `Event` protobufs (tensorflow/core/util/event.proto), the
@@ -60,7 +60,7 @@ struct Summary {
 }
 
 /// tensorflow.Summary.Value: a tag and a `simple_value` scalar (what TensorBoard's scalar
-/// dashboard, its EventAccumulator and `wandb sync` read).
+/// dashboard and its EventAccumulator read).
 #[derive(Clone, PartialEq, prost::Message)]
 struct SummaryValue {
     #[prost(string, tag = "1")]
@@ -124,10 +124,10 @@ fn encode(event: &Event) -> Vec<u8> {
     record(&prost::Message::encode_to_vec(event))
 }
 
-/// The complete records at the start of `bytes`: how many, and where the last one ends. A
+/// The payloads of the complete records at the start of `bytes`, and where the last one ends. A
 /// record whose length, CRCs or bytes do not check out ends the scan (a crash cut it).
-fn complete_records(bytes: &[u8]) -> (usize, usize) {
-    let (mut count, mut at) = (0, 0);
+fn complete_records(bytes: &[u8]) -> (Vec<&[u8]>, usize) {
+    let (mut payloads, mut at) = (Vec::new(), 0);
     while bytes.len() - at >= 12 {
         let length_bytes = &bytes[at..at + 8];
         let crc = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().expect("4 bytes"));
@@ -144,10 +144,10 @@ fn complete_records(bytes: &[u8]) -> (usize, usize) {
         if masked_crc(payload) != crc {
             break;
         }
-        count += 1;
+        payloads.push(payload);
         at = end;
     }
-    (count, at)
+    (payloads, at)
 }
 
 /// The event file of a model directory: the newest `*tfevents*` file of its tensorboard
@@ -193,7 +193,8 @@ pub(crate) fn sync(model_dir: &Path, history: &[HistoryEntry]) -> io::Result<()>
         .open(&path)?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes)?;
-    let (records, valid_len) = complete_records(&bytes);
+    let (payloads, valid_len) = complete_records(&bytes);
+    let records = payloads.len();
     if valid_len < bytes.len() {
         file.set_len(valid_len as u64)?;
     }
@@ -239,12 +240,7 @@ pub fn read_scalars(path: &Path) -> io::Result<Vec<(u64, String, f32)>> {
     let mut bytes = Vec::new();
     File::open(path)?.read_to_end(&mut bytes)?;
     let mut scalars = Vec::new();
-    let (_, valid_len) = complete_records(&bytes);
-    let mut at = 0;
-    while at < valid_len {
-        let length = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes")) as usize;
-        let payload = &bytes[at + 12..at + 12 + length];
-        at += 12 + length + 4;
+    for payload in complete_records(&bytes).0 {
         let event: Event = prost::Message::decode(payload)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
         for value in event.summary.into_iter().flat_map(|s| s.value) {
