@@ -168,7 +168,7 @@ pub fn set_engine_env(config: &KernelConfig, slot: &Path) {
 /// Compiles the prelude and a cell using the displays once, in the first free build slot, with
 /// the linker evcxr finds; returns the linker that worked.
 fn warm(config: &KernelConfig) -> Result<String> {
-    config.write_cargo_config()?;
+    config.prepare_cache()?;
     let slot = acquire_slot(&config.cache_dir)?;
     set_engine_env(config, &slot.dir);
     let sink: OutputSink = Arc::new(|output| match output {

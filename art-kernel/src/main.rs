@@ -139,7 +139,7 @@ fn run(args: &[String]) -> Result<()> {
         Some(path) => KernelConfig::load(&path)?,
         None => KernelConfig::defaults(),
     };
-    config.write_cargo_config()?;
+    config.prepare_cache()?;
     let slot = acquire_slot(&config.cache_dir)?;
     install::set_engine_env(&config, &slot.dir);
     // After the variables above: the exporter starts a thread of its own.
