@@ -591,6 +591,40 @@ plots::reward_distribution_chart(&[group.clone()])
             shutil.rmtree(folder, ignore_errors=True)
         self.assertEqual(left.stdout, "", "TensorBoard outlived its kernel")
 
+    def test_19_variables_are_used_before_their_types_are_analysed(self):
+        # In a fresh kernel the first analysis takes seconds; meanwhile a cell using variables
+        # gets their types from what the child reported at run time (evcxr patch 0011): paths
+        # through private modules (art_core::types::trajectory::Trajectory), std's internals
+        # (HashMap), the cell's own items. Their values must come through whole.
+        km = KernelManager(kernel_name="art")
+        km.start_kernel()
+        kc = km.client()
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=300)
+            reply, outputs = run_cell(kc, (
+                'let t = Trajectory::new([Message::user("hi")]);\n'
+                "let groups = vec![TrajectoryGroup::new([t.clone()])];\n"
+                "let config = TrainConfig::default();\n"
+                "let mut scores = std::collections::HashMap::<String, f64>::new();\n"
+                'scores.insert("a".into(), 0.5);\n'
+                "struct Point { x: i32 }\n"
+                "let p = Point { x: 3 };\n"
+                "let maybe = Some(1.5f64);"), timeout=300)
+            self.assertEqual(reply["content"]["status"], "ok", outputs)
+            reply, outputs = run_cell(kc, (
+                'format!("{} {} {} {} {} {:?}", t.messages().len(), groups.len(), '
+                "config.learning_rate, scores[\"a\"], p.x, maybe)"), timeout=300)
+            self.assertEqual(reply["content"]["status"], "ok", outputs)
+            self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"],
+                             '"1 1 0.000005 0.5 3 Some(1.5)"')
+            reply, outputs = run_cell(kc, 'scores.insert("b".into(), 1.0);\nscores.len() + groups.len()')
+            self.assertEqual(reply["content"]["status"], "ok", outputs)
+            self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"], "3")
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
+
 
 def main():
     if not os.path.exists(KERNEL_BIN):
