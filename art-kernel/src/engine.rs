@@ -171,9 +171,16 @@ impl EvcxrEngine {
         self.question_mark_failed.store(false, Ordering::SeqCst);
         self.control.executing.store(true, Ordering::SeqCst);
         let by_reference = bare_variable_by_reference(code);
-        let result = self
-            .context
-            .execute(by_reference.as_deref().unwrap_or(code));
+        let code_to_run = by_reference.as_deref().unwrap_or(code);
+        let mut result = self.context.execute(code_to_run);
+        if matches!(&result, Err(error) if needs_network(code, error)) {
+            // Cells build offline once the cache is warm (nothing to resolve). A `:dep` whose
+            // crate, or a dependency of it, is not in cargo's local cache is fetched online,
+            // once; the failed attempt ran nothing (cargo stopped before the compile).
+            let _ = self.context.execute(":offline 0");
+            result = self.context.execute(code_to_run);
+            let _ = self.context.execute(":offline 1");
+        }
         self.control.executing.store(false, Ordering::SeqCst);
         self.pump.flush();
         let interrupted = self.control.interrupted.swap(false, Ordering::SeqCst);
@@ -264,6 +271,13 @@ impl Engine for EvcxrEngine {
     fn interrupter(&self) -> Arc<dyn Interrupter> {
         self.control.clone()
     }
+}
+
+/// A cell with a `:dep` that failed only because cargo ran offline.
+fn needs_network(code: &str, error: &evcxr::Error) -> bool {
+    code.lines()
+        .any(|line| line.trim_start().starts_with(":dep"))
+        && error.to_string().contains("--offline was specified")
 }
 
 fn target_libdir() -> Option<String> {

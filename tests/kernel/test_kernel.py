@@ -625,6 +625,19 @@ plots::reward_distribution_chart(&[group.clone()])
             kc.stop_channels()
             km.shutdown_kernel(now=False)
 
+    def test_20_a_dep_links_beside_the_toolkit(self):
+        # A crate added with `:dep` is linked into the cell beside the toolkit's shared library
+        # (art-cell-deps), and the toolkit still works in the same cell. `half` is in cargo's
+        # local cache (the workspace uses it), as the kernel builds offline.
+        k = kernel()
+        reply, outputs = k.run(':dep half = "2"', timeout=300)
+        self.assertEqual(reply["content"]["status"], "ok", outputs)
+        reply, outputs = k.run(
+            'let t = Trajectory::new([Message::user("hi")]);\n'
+            "half::f16::from_f32(1.5).to_f32() + t.messages().len() as f32", timeout=300)
+        self.assertEqual(reply["content"]["status"], "ok", outputs)
+        self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"], "2.5")
+
 
 def main():
     if not os.path.exists(KERNEL_BIN):
