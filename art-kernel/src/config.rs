@@ -60,10 +60,12 @@ fn system_linker() -> String {
 
 /// The crate that links art-core, tokio and serde_json (with everything below them) into one
 /// shared library, written by the kernel into its cache directory. Every cell links against it:
-/// without it each cell's shared object statically linked the ~220 libraries it reached (0.19 s
-/// of a `1 + 1` cell's 0.35 s compile), and each cell carried its own copy of art-core's statics
-/// (one trace exporter per cell).
-pub const CELL_DEPS_CRATE: &str = "art-cell-deps";
+/// without it each cell's shared object statically linked what it reached of ~220 libraries (a
+/// first `1 + 1` took 0.56-0.64 s, now 0.31-0.39 s), and each cell carried its own copy of
+/// art-core's statics (one trace exporter per cell).
+const CELL_DEPS_CRATE: &str = "art-cell-deps";
+/// Its library's name, as cells write it.
+const CELL_DEPS_LIB: &str = "art_cell_deps";
 
 /// The features of tokio cells get (what top-level `.await` and art-core need).
 const TOKIO_DEP: &str =
@@ -128,7 +130,7 @@ impl KernelConfig {
     }
 
     /// The crate that bundles the toolkit into one shared library (see [`CELL_DEPS_CRATE`]).
-    pub fn cell_deps_dir(&self) -> PathBuf {
+    fn cell_deps_dir(&self) -> PathBuf {
         self.cache_dir.join(CELL_DEPS_CRATE)
     }
 
@@ -151,10 +153,9 @@ impl KernelConfig {
         Prelude {
             dependencies,
             code: format!(
-                "use {} as _;\n\
+                "use {CELL_DEPS_LIB} as _;\n\
                  use art_core::*;\n\
-                 use art_core::display::{{self, DebugDisplay, Display, RichDisplay}};\n",
-                CELL_DEPS_CRATE.replace('-', "_")
+                 use art_core::display::{{self, DebugDisplay, Display, RichDisplay}};\n"
             ),
             offline: self.offline,
             opt_level: self.cell_opt_level.clone(),

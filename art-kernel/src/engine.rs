@@ -273,11 +273,12 @@ impl Engine for EvcxrEngine {
     }
 }
 
-/// A cell with a `:dep` that failed only because cargo ran offline.
+/// A cell with a `:dep` that cargo could not resolve or fetch offline ("attempting to make an
+/// HTTP request, but --offline was specified", or a crate it cannot find while offline).
 fn needs_network(code: &str, error: &evcxr::Error) -> bool {
     code.lines()
         .any(|line| line.trim_start().starts_with(":dep"))
-        && error.to_string().contains("--offline was specified")
+        && error.to_string().contains("offline")
 }
 
 fn target_libdir() -> Option<String> {
@@ -588,6 +589,20 @@ fn bare_variable_by_reference(code: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_dep_that_failed_offline_is_retried_online() {
+        let offline = evcxr::Error::Message(
+            "error: failed to download `crunchy v0.2.4`\n\nCaused by:\n  attempting to make an \
+             HTTP request, but --offline was specified"
+                .into(),
+        );
+        let other = evcxr::Error::Message("no matching package named `hlaf` found".into());
+        assert!(needs_network(":dep half = \"2\"", &offline));
+        assert!(needs_network("let x = 1;\n  :dep half = \"2\"", &offline));
+        assert!(!needs_network(":dep hlaf = \"2\"", &other));
+        assert!(!needs_network("let x = 1; // offline", &offline));
+    }
 
     #[test]
     fn a_bare_variable_at_the_end_is_shown_by_reference() {

@@ -14,6 +14,7 @@ compares against. Times are printed, not asserted (BENCHMARKS.md keeps them).
 """
 
 import base64
+import contextlib
 import json
 import os
 import queue
@@ -177,6 +178,21 @@ def start_up_summary():
         lines.append(f"  {python}: {median(python):.2f}")
         lines.append(f"  ready, ours / ipykernel's: {median(START_UP[0]) / median(python):.2f}x")
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def own_kernel(env=None):
+    """A kernel of the test's own (not the shared one), ready; shut down when the block ends."""
+    km = KernelManager(kernel_name="art")
+    km.start_kernel(**({} if env is None else {"env": env}))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=300)
+        yield kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
 
 
 KERNEL = None
@@ -537,51 +553,45 @@ plots::reward_distribution_chart(&[group.clone()])
         env = dict(os.environ, OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
                    OTEL_BSP_SCHEDULE_DELAY="100",
                    ART_TENSORBOARD_BIN=os.path.join(os.path.dirname(sys.executable), "tensorboard"))
-        km = KernelManager(kernel_name="art")
-        km.start_kernel(env=env)
-        kc = km.client()
-        kc.start_channels()
         try:
-            kc.wait_for_ready(timeout=300)
-            reply, outputs = run_cell(kc, (
-                "let groups = gather_trajectory_groups((0..2).map(|_| TrajectoryGroup::from_rollouts(\n"
-                "    (0..2).map(|i| async move { let mut t = Trajectory::new([Message::user(\"hi\")]);\n"
-                "        t.reward = i as f64; Ok::<_, std::io::Error>(t) }))), GatherOptions::new()).await?;\n"
-                "groups.len()"), timeout=300)
-            self.assertEqual(reply["content"]["status"], "ok", outputs)
-            spans = []
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                if os.path.exists(spans_path):
-                    with open(spans_path) as f:
-                        spans = [json.loads(line) for line in f]
-                names = {s["name"] for s in spans}
-                if {"cell", "gather_trajectory_groups"} <= names:
-                    break
-                time.sleep(0.2)
-            cells = [s for s in spans if s["name"] == "cell" and "gather_trajectory_groups" in
-                     s["attributes"].get("art.cell.code", "")]
-            gathers = [s for s in spans if s["name"] == "gather_trajectory_groups"]
-            self.assertEqual(len(cells), 1, spans)
-            self.assertEqual(len(gathers), 1, spans)
-            self.assertEqual(cells[0]["service"], "art-kernel")
-            self.assertEqual(gathers[0]["parent_span_id"], cells[0]["span_id"])
-            self.assertEqual(gathers[0]["trace_id"], cells[0]["trace_id"])
-            groups = [s for s in spans if s["name"] == "trajectory_group"]
-            self.assertEqual(len(groups), 2)
-
-            # TensorBoard inline: started by one cell, found again by a later one (each cell has
-            # its own copy of art-core's statics), stopped with the kernel.
-            urls = []
-            for _ in range(2):
-                reply, outputs = run_cell(kc, f'display::tensorboard("{folder}")?', timeout=180)
+            with own_kernel(env) as kc:
+                reply, outputs = run_cell(kc, (
+                    "let groups = gather_trajectory_groups((0..2).map(|_| TrajectoryGroup::from_rollouts(\n"
+                    "    (0..2).map(|i| async move { let mut t = Trajectory::new([Message::user(\"hi\")]);\n"
+                    "        t.reward = i as f64; Ok::<_, std::io::Error>(t) }))), GatherOptions::new()).await?;\n"
+                    "groups.len()"), timeout=300)
                 self.assertEqual(reply["content"]["status"], "ok", outputs)
-                html = of_type(outputs, "execute_result")[0]["content"]["data"]["text/html"]
-                urls.append(re.search(r'src="([^"]+)"', html).group(1))
-            self.assertEqual(urls[0], urls[1])
+                spans = []
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    if os.path.exists(spans_path):
+                        with open(spans_path) as f:
+                            spans = [json.loads(line) for line in f]
+                    names = {s["name"] for s in spans}
+                    if {"cell", "gather_trajectory_groups"} <= names:
+                        break
+                    time.sleep(0.2)
+                cells = [s for s in spans if s["name"] == "cell" and "gather_trajectory_groups" in
+                         s["attributes"].get("art.cell.code", "")]
+                gathers = [s for s in spans if s["name"] == "gather_trajectory_groups"]
+                self.assertEqual(len(cells), 1, spans)
+                self.assertEqual(len(gathers), 1, spans)
+                self.assertEqual(cells[0]["service"], "art-kernel")
+                self.assertEqual(gathers[0]["parent_span_id"], cells[0]["span_id"])
+                self.assertEqual(gathers[0]["trace_id"], cells[0]["trace_id"])
+                groups = [s for s in spans if s["name"] == "trajectory_group"]
+                self.assertEqual(len(groups), 2)
+
+                # TensorBoard inline: started by one cell, found again by a later one, stopped with
+                # the kernel.
+                urls = []
+                for _ in range(2):
+                    reply, outputs = run_cell(kc, f'display::tensorboard("{folder}")?', timeout=180)
+                    self.assertEqual(reply["content"]["status"], "ok", outputs)
+                    html = of_type(outputs, "execute_result")[0]["content"]["data"]["text/html"]
+                    urls.append(re.search(r'src="([^"]+)"', html).group(1))
+                self.assertEqual(urls[0], urls[1])
         finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=False)
             receiver.kill()
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and subprocess.run(
@@ -596,12 +606,7 @@ plots::reward_distribution_chart(&[group.clone()])
         # gets their types from what the child reported at run time (evcxr patch 0011): paths
         # through private modules (art_core::types::trajectory::Trajectory), std's internals
         # (HashMap), the cell's own items. Their values must come through whole.
-        km = KernelManager(kernel_name="art")
-        km.start_kernel()
-        kc = km.client()
-        kc.start_channels()
-        try:
-            kc.wait_for_ready(timeout=300)
+        with own_kernel() as kc:
             reply, outputs = run_cell(kc, (
                 'let t = Trajectory::new([Message::user("hi")]);\n'
                 "let groups = vec![TrajectoryGroup::new([t.clone()])];\n"
@@ -621,14 +626,12 @@ plots::reward_distribution_chart(&[group.clone()])
             reply, outputs = run_cell(kc, 'scores.insert("b".into(), 1.0);\nscores.len() + groups.len()')
             self.assertEqual(reply["content"]["status"], "ok", outputs)
             self.assertEqual(of_type(outputs, "execute_result")[0]["content"]["data"]["text/plain"], "3")
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=False)
 
     def test_20_a_dep_links_beside_the_toolkit(self):
         # A crate added with `:dep` is linked into the cell beside the toolkit's shared library
         # (art-cell-deps), and the toolkit still works in the same cell. `half` is in cargo's
-        # local cache (the workspace uses it), as the kernel builds offline.
+        # local cache (the workspace uses it); on a fresh machine its target-specific dependency
+        # `crunchy` is not, so the kernel, which builds offline, retries the `:dep` online.
         k = kernel()
         reply, outputs = k.run(':dep half = "2"', timeout=300)
         self.assertEqual(reply["content"]["status"], "ok", outputs)
