@@ -13,6 +13,10 @@ export ART_TEST_PYTHON="$ROOT/.venv/bin/python"
 export ART_TEST_BROWSER_PYTHON="$ROOT/.venv-browser/bin/python"
 export ART_MODELS_DIR="$ROOT/models"
 cargo test --workspace "$@"
+# Ignored by default (they need the Python clients above), in this order: the kernel test warms
+# the kernel's build cache (~10 min cold) that the notebooks then use (~5 min).
+cargo test --workspace --test jupyter_client -- --ignored
+cargo test --workspace --test notebooks -- --ignored
 # Ignored by default (it needs what setup-browser.sh installs): ~50 s. `--workspace`, as above,
 # so that features resolve the same and nothing is rebuilt.
 cargo test --workspace --test browser -- --ignored
