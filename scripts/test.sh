@@ -7,9 +7,13 @@ cd "$ROOT"
 scripts/fetch-models.sh
 scripts/patch-crates.sh
 scripts/setup-python.sh
+# OpenPipe ART itself (Python >= 3.12), the client of the ServerlessBackend API test.
+scripts/setup-python.sh "$ROOT/.venv-art" "$ROOT/scripts/requirements-python-art.txt" \
+  "$(scripts/python312.sh)"
 # Chromium (Debian) and JupyterLab for the browser test of the saved notebooks.
 scripts/setup-browser.sh
 export ART_TEST_PYTHON="$ROOT/.venv/bin/python"
+export ART_TEST_ART_PYTHON="$ROOT/.venv-art/bin/python"
 export ART_TEST_BROWSER_PYTHON="$ROOT/.venv-browser/bin/python"
 export ART_MODELS_DIR="$ROOT/models"
 cargo test --workspace "$@"
@@ -20,5 +24,7 @@ cargo test --workspace --test notebooks -- --ignored
 # Ignored by default (it needs what setup-browser.sh installs): ~50 s. `--workspace`, as above,
 # so that features resolve the same and nothing is rebuilt.
 cargo test --workspace --test browser -- --ignored
+# Ignored by default (it needs .venv-art): ~20 s. Python ART trains on `art serve`.
+cargo test --workspace --test python_art -- --ignored
 # Ignored by default (it needs tensorboard and opentelemetry-proto from setup-python.sh): ~30 s.
 cargo test --workspace --test observability -- --ignored

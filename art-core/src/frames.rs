@@ -516,6 +516,7 @@ pub fn read_trajectory_groups(path: impl AsRef<Path>) -> Result<Vec<TrajectoryGr
             groups.push((index, group));
         }
         let trajectory = Trajectory {
+            exchanges: Default::default(),
             messages_and_choices: parse::<Vec<MessageOrChoice>>(
                 messages.get(row),
                 "messages_and_choices",

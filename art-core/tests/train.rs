@@ -15,12 +15,14 @@ use art_core::engine::{
 };
 use art_core::train::{
     chat_template_for, group_advantages, list_checkpoints, micro_batch_loss, pack_micro_batches,
-    prepare_batch, Normalization, SequenceSource, Tokenization, TrainError, TrainSequence, Trainer,
+    prepare_batch, MicroBatchLoss, Normalization, SequenceSource, Tokenization, TrainError,
+    TrainSequence, Trainer,
 };
 use art_core::types::{
     AssistantMessage, Choice, ChoiceLogprobs, Content, FunctionCall, FunctionDefinition,
-    ImportanceSamplingLevel, LoraConfig, Message, MessageOrChoice, SystemMessage, TokenLogprob,
-    Tool, ToolCall, ToolMessage, TrainConfig, Trajectory, TrajectoryGroup, UserMessage,
+    ImportanceSamplingLevel, LoraConfig, LossFn, Message, MessageOrChoice, SystemMessage,
+    TokenLogprob, Tool, ToolCall, ToolMessage, TrainConfig, Trajectory, TrajectoryGroup,
+    UserMessage,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -563,6 +565,10 @@ fn lora_gradients_match_finite_differences() {
             epsilon_high: Some(0.15),
             ..Default::default()
         },
+        TrainConfig {
+            importance_sampling_level: ImportanceSamplingLevel::Average,
+            ..Default::default()
+        },
     ];
     // Each configuration with the whole graph kept and with gradient checkpointing (the layers'
     // backward rebuilt one at a time): both must match finite differences, and each other.
@@ -656,6 +662,89 @@ fn lora_gradients_match_finite_differences() {
         assert_eq!(checked, 3 * 2 * 3);
     }
     assert!(kept_grads.is_empty());
+}
+
+/// The adapter's gradients of one micro-batch loss over `sequences`, flattened.
+fn loss_gradients(
+    engine: &Engine,
+    adapter: &LoraAdapter,
+    sequences: &[TrainSequence],
+    config: &TrainConfig,
+) -> (Vec<f32>, MicroBatchLoss) {
+    let refs: Vec<&TrainSequence> = sequences.iter().collect();
+    let norm = Normalization::for_step(sequences, config);
+    let mut out =
+        micro_batch_loss(engine.model(), Some(adapter), &refs, norm, config, true).unwrap();
+    let grads = out.backward(engine.model(), adapter).unwrap();
+    let flat = adapter
+        .named_vars()
+        .iter()
+        .flat_map(|(_, var)| {
+            let g = grads.get(var.as_tensor()).expect("a gradient");
+            g.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        })
+        .collect();
+    (flat, out)
+}
+
+/// `a` and `b` agree to 1e-5 of their norm (elements are sums of terms of both signs: their
+/// own relative error can be larger where terms cancel).
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len());
+    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+    let scale = norm(&mut a.iter().map(|&x| f64::from(x)));
+    let diff = norm(&mut a.iter().zip(b).map(|(&x, &y)| f64::from(x - y)));
+    assert!(scale > 0.0, "{what}: no gradient");
+    assert!(
+        diff <= 1e-5 * scale,
+        "{what}: |a - b| = {diff:e}, |a| = {scale:e}"
+    );
+}
+
+#[test]
+fn cispo_weighs_each_tokens_logprob_by_its_clipped_ratio() {
+    // CISPO's gradient is sum(w * -A * clip(r) * grad log p), PPO's without clipping
+    // sum(w * -A * r * grad log p) (checked against finite differences above). So the two agree
+    // where nothing is clipped, and CISPO's equals unclipped PPO's on a batch whose sampler
+    // logprobs are moved so that each clipped token's ratio becomes its clipped value.
+    let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F64));
+    let adapter = LoraAdapter::new(engine.config(), &lora(4), engine.device(), 3).unwrap();
+    randomize_b(&adapter, 11);
+    let sequences = loss_fixture(&engine, &adapter);
+    let unclipped = |loss_fn| TrainConfig {
+        loss_fn,
+        epsilon: 100.0,
+        ..Default::default()
+    };
+    let (ppo, out) = loss_gradients(&engine, &adapter, &sequences, &unclipped(LossFn::Ppo));
+    let (cispo, _) = loss_gradients(&engine, &adapter, &sequences, &unclipped(LossFn::Cispo));
+    assert_eq!(out.clipped_tokens, 0);
+    assert_close(&cispo, &ppo, "unclipped CISPO vs PPO");
+
+    let cispo_config = TrainConfig {
+        loss_fn: LossFn::Cispo,
+        epsilon: 0.2,
+        ..Default::default()
+    };
+    let (cispo, out) = loss_gradients(&engine, &adapter, &sequences, &cispo_config);
+    assert!(
+        out.clipped_tokens > 0,
+        "the fixture should clip some tokens"
+    );
+    // The trainer's logprobs, one per trainable token in batch order, as the loss used them.
+    let mut own = out.trainer_logprobs.iter();
+    let mut moved = sequences.clone();
+    for seq in &mut moved {
+        for i in 1..seq.len() {
+            if seq.trainable[i] {
+                let own = f64::from(*own.next().unwrap());
+                let ratio = (own - f64::from(seq.sampler_logprobs[i])).exp();
+                seq.sampler_logprobs[i] = (own - ratio.clamp(0.8, 1.2).ln()) as f32;
+            }
+        }
+    }
+    let (ppo, _) = loss_gradients(&engine, &adapter, &moved, &unclipped(LossFn::Ppo));
+    assert_close(&cispo, &ppo, "CISPO vs PPO at the clipped ratios");
 }
 
 #[test]
@@ -1209,4 +1298,80 @@ fn peft_parity_fixture() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "peft parity failed:\n{stdout}");
+}
+
+/// A captured chat-completions call: `prompt` and sampled `completion` token ids, logprobs as
+/// ART's client asks for them (`token_id:<id>` tokens).
+fn exchange(prompt: &[u32], completion: &[u32]) -> serde_json::Value {
+    let logprobs: Vec<serde_json::Value> = completion
+        .iter()
+        .map(|id| serde_json::json!({"token": format!("token_id:{id}"), "logprob": -0.5, "bytes": null, "top_logprobs": []}))
+        .collect();
+    serde_json::json!({
+        "request": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": true},
+        "response": {
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "m",
+            "prompt_token_ids": prompt,
+            "choices": [{"index": 0, "finish_reason": "stop", "token_ids": completion,
+                         "message": {"role": "assistant", "content": "x", "tool_calls": null,
+                                     "refusal": null, "annotations": null, "audio": null,
+                                     "function_call": null},
+                         "logprobs": {"content": logprobs, "refusal": null}}],
+            "usage": {"prompt_tokens": prompt.len(), "completion_tokens": completion.len(),
+                      "total_tokens": prompt.len() + completion.len()}
+        },
+        "start_time": "2026-12-06T00:00:00Z", "end_time": "2026-12-06T00:00:01Z", "model": "m"
+    })
+}
+
+fn captured(exchanges: Vec<serde_json::Value>) -> Trajectory {
+    serde_json::from_value(serde_json::json!({
+        "exchanges": {"chat_completions": exchanges, "completions": [], "responses": [],
+                      "messages": []},
+        "reward": 1.0
+    }))
+    .unwrap()
+}
+
+#[test]
+fn captured_calls_train_on_their_exact_tokens_and_turns_join() {
+    let (_dir, engine) = tiny_engine(Architecture::Qwen2, None);
+    let tok = Tokenization::new(&engine, chat_template_for(&engine).unwrap());
+    // Turn 2's prompt is turn 1's prompt and reply plus new context: one sequence. The third
+    // call starts another conversation.
+    let trajectory = captured(vec![
+        exchange(&[1, 2, 3], &[4, 5]),
+        exchange(&[1, 2, 3, 4, 5, 6, 7], &[8]),
+        exchange(&[9, 10], &[11, 12]),
+    ]);
+    let sequences = tok
+        .trajectory_sequences(&trajectory, 0.5, default_source())
+        .unwrap();
+    assert_eq!(sequences.len(), 2);
+    assert_eq!(sequences[0].tokens, [1, 2, 3, 4, 5, 6, 7, 8]);
+    let trainable: Vec<usize> = (0..8).filter(|&i| sequences[0].trainable[i]).collect();
+    assert_eq!(trainable, [3, 4, 7]);
+    assert_eq!(sequences[0].sampler_logprobs[7], -0.5);
+    assert!(sequences[0].sampler_logprobs[5].is_nan());
+    assert_eq!(sequences[1].tokens, [9, 10, 11, 12]);
+    assert_eq!(sequences[1].advantage, 0.5);
+
+    // Without the prompt's ids there are no exact tokens to train on: the error says what to send.
+    let mut no_ids = exchange(&[1, 2], &[3]);
+    no_ids["response"]
+        .as_object_mut()
+        .unwrap()
+        .remove("prompt_token_ids");
+    let error = tok
+        .trajectory_sequences(&captured(vec![no_ids]), 0.5, default_source())
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("return_token_ids"), "{error}");
+    let mut responses = captured(vec![exchange(&[1, 2], &[3])]);
+    responses.exchanges.responses.push(serde_json::json!({}));
+    let error = tok
+        .trajectory_sequences(&responses, 0.5, default_source())
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("Responses API"), "{error}");
 }

@@ -49,6 +49,17 @@ pub fn tiny_model(dir: &Path) -> PathBuf {
     model
 }
 
+/// `art` as `cargo test --workspace` builds it (target/<profile>/art), or $ART_BIN.
+pub fn art_binary() -> PathBuf {
+    std::env::var_os("ART_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let exe = std::env::current_exe().expect("the test's path");
+            // target/<profile>/deps/<test> -> target/<profile>/art
+            exe.parent().unwrap().parent().unwrap().join("art")
+        })
+}
+
 /// The real default model, if `scripts/fetch-models.sh` has fetched it.
 pub fn smollm2() -> Option<PathBuf> {
     let dir = std::env::var_os("ART_MODELS_DIR")

@@ -167,7 +167,7 @@ async fn local_backend_serves_a_registered_model() {
 #[tokio::test(flavor = "multi_thread")]
 async fn remote_backend_trains_and_survives_a_killed_server() {
     let dir = TempDir::new("remote-backend");
-    let art = art_binary();
+    let art = art_e2e::art_binary();
     let model_dir = tiny_model(dir.path());
     let art_dir = dir.path().join(".art");
     let (mut child, url) = spawn_server(&art, &model_dir, &art_dir).await;
@@ -237,24 +237,13 @@ async fn remote_backend_trains_and_survives_a_killed_server() {
     child.kill().await.unwrap();
 }
 
-/// `art serve` as a child process with an API key; returns it and its URL.
-/// `art` as `cargo test --workspace` builds it (target/<profile>/art), or $ART_BIN.
-fn art_binary() -> std::path::PathBuf {
-    std::env::var_os("ART_BIN")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| {
-            let exe = std::env::current_exe().unwrap();
-            exe.parent().unwrap().parent().unwrap().join("art")
-        })
-}
-
 /// What a killed notebook kernel leaves behind: the server its LocalBackend started, whose stdin
 /// pipe closes without the backend being dropped. The server must not outlive it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_local_server_exits_when_its_stdin_closes() {
     let dir = TempDir::new("exit-with-stdin");
     let model_dir = tiny_model(dir.path());
-    let mut child = tokio::process::Command::new(art_binary())
+    let mut child = tokio::process::Command::new(art_e2e::art_binary())
         .args(["serve", "--port", "0", "--exit-with-stdin", "--model"])
         .arg(&model_dir)
         .arg("--art-dir")
@@ -278,6 +267,7 @@ async fn a_local_server_exits_when_its_stdin_closes() {
     assert!(status.success(), "{status}");
 }
 
+/// `art serve` as a child process with an API key; returns it and its URL.
 async fn spawn_server(
     art: &std::path::Path,
     model_dir: &std::path::Path,

@@ -30,6 +30,11 @@ struct ServeArgs {
     /// The name clients use for the base model (default: the file or directory name).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Another name for the base model, accepted wherever the served name is (repeatable). Python
+    /// ART programs name their base model by its Hugging Face id, e.g.
+    /// `--alias HuggingFaceTB/SmolLM2-135M-Instruct` for the default model.
+    #[arg(long = "alias")]
+    aliases: Vec<String>,
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
     #[arg(long, default_value_t = 8000)]
@@ -104,6 +109,7 @@ async fn main() -> anyhow::Result<()> {
             serve(ServeOptions {
                 model: args.model,
                 served_model_name: args.served_model_name,
+                aliases: args.aliases,
                 host: args.host,
                 port: args.port,
                 api_key: args.api_key,

@@ -64,8 +64,6 @@ pub async fn register(
     State(state): State<AppState>,
     ApiJson(request): ApiJson<RegisterRequest>,
 ) -> Result<ApiJson<ModelInfo>, ApiError> {
-    check_name("name", &request.name)?;
-    check_name("project", &request.project)?;
     if let Some(base) = &request.base_model {
         if state.resolve_model(base)?.is_some() || state.is_trainable(base) {
             return Err(ApiError::invalid_param(
@@ -74,6 +72,17 @@ pub async fn register(
             ));
         }
     }
+    Ok(ApiJson(register_model(&state, &request).await?))
+}
+
+/// Registers `request.name`, or reconnects to it when it is registered already (see
+/// [`reconnect`]). A model trained before resumes from its latest checkpoint.
+pub(super) async fn register_model(
+    state: &AppState,
+    request: &RegisterRequest,
+) -> Result<ModelInfo, ApiError> {
+    check_name("name", &request.name)?;
+    check_name("project", &request.project)?;
     if request.name == state.base_model {
         return Err(ApiError::invalid_param(
             "name",
@@ -81,7 +90,7 @@ pub async fn register(
         ));
     }
     if let Some(existing) = state.registered(&request.name) {
-        return reconnect(&existing.info(), &request);
+        return reconnect(&existing.info(), request);
     }
     let store = ModelStore::open(&state.art_dir, &request.project, &request.name)
         .map_err(|e| ApiError::internal(e.to_string()))?;
@@ -115,10 +124,10 @@ pub async fn register(
     let mut registry = state.registry.lock().expect("registry lock");
     // Another request may have registered the same name meanwhile.
     if let Some(existing) = registry.models.get(&request.name) {
-        return reconnect(&existing.info(), &request);
+        return reconnect(&existing.info(), request);
     }
     registry.models.insert(
-        request.name,
+        request.name.clone(),
         RegisteredModel {
             step: Arc::new(AtomicU64::new(info.step)),
             info: info.clone(),
@@ -127,22 +136,19 @@ pub async fn register(
             trainer: Arc::new(Mutex::new(trainer)),
         },
     );
-    Ok(ApiJson(info))
+    Ok(info)
 }
 
 /// Registering again is how a client reconnects; a different project or LoRA shape is a mistake.
 /// (A model resumed from its checkpoints takes their LoRA shape, whatever the first request said.)
-fn reconnect(
-    existing: &ModelInfo,
-    request: &RegisterRequest,
-) -> Result<ApiJson<ModelInfo>, ApiError> {
+fn reconnect(existing: &ModelInfo, request: &RegisterRequest) -> Result<ModelInfo, ApiError> {
     if existing.project != request.project || existing.lora != request.lora {
         return Err(ApiError::conflict(format!(
             "a model named `{}` is already registered in project `{}` with another configuration",
             request.name, existing.project
         )));
     }
-    Ok(ApiJson(existing.clone()))
+    Ok(existing.clone())
 }
 
 pub async fn get_model(

@@ -39,6 +39,10 @@ struct Prepared {
     include_usage: bool,
     n: usize,
     stop: Vec<String>,
+    /// The prompt's tokens, when the request asked for them (`return_token_ids`).
+    prompt_token_ids: Option<Vec<u32>>,
+    /// Logprob tokens written as `token_id:<id>` (`return_tokens_as_token_ids`).
+    tokens_as_ids: bool,
 }
 
 pub async fn chat_completions(
@@ -88,12 +92,10 @@ fn prepare(
     let tool_format = tools.map(|_| template.tool_call_format());
     let conversation =
         conversation_for_template(&request.messages, tools, template.tool_call_format());
+    let mut render = RenderOptions::generation();
+    render.kwargs = request.chat_template_kwargs.clone().unwrap_or_default();
     let prompt_text = template
-        .render_with_options(
-            &conversation.messages,
-            conversation.tools,
-            &RenderOptions::generation(),
-        )
+        .render_with_options(&conversation.messages, conversation.tools, &render)
         .map_err(|e| {
             ApiError::invalid_param(
                 "messages",
@@ -140,6 +142,8 @@ fn prepare(
             .unwrap_or(false),
         n: params.n,
         stop: params.stop.clone(),
+        prompt_token_ids: (request.return_token_ids == Some(true)).then(|| prompt.clone()),
+        tokens_as_ids: request.return_tokens_as_token_ids == Some(true),
     };
     Ok((
         prepared,
@@ -335,7 +339,11 @@ fn completion(state: &AppState, prepared: &Prepared, output: GenerationOutput) -
             total_tokens: output.prompt_tokens as u64 + completion_tokens,
         }),
         system_fingerprint: None,
-        extra: Default::default(),
+        extra: prepared
+            .prompt_token_ids
+            .iter()
+            .map(|ids| ("prompt_token_ids".to_string(), json!(ids)))
+            .collect(),
     }
 }
 
@@ -355,7 +363,7 @@ fn choice(state: &AppState, prepared: &Prepared, completion: &Completion) -> Cho
                 completion
                     .tokens
                     .iter()
-                    .map(|t| token_logprob(state, t))
+                    .map(|t| token_logprob(state, t, prepared.tokens_as_ids))
                     .collect(),
             ),
             refusal: None,
@@ -375,8 +383,17 @@ fn parse_message(tool_format: Option<ToolCallFormat>, text: &str) -> ParsedCompl
     }
 }
 
-fn token_logprob(state: &AppState, token: &SampledToken) -> TokenLogprob {
-    let text = state.token_text(token.id);
+/// A sampled token's logprob entry; `as_ids` writes tokens as `token_id:<id>` (vLLM's
+/// `return_tokens_as_token_ids`), which names them exactly where text could be ambiguous.
+fn token_logprob(state: &AppState, token: &SampledToken, as_ids: bool) -> TokenLogprob {
+    let name = |id: u32| {
+        if as_ids {
+            format!("token_id:{id}")
+        } else {
+            state.token_text(id)
+        }
+    };
+    let text = name(token.id);
     TokenLogprob {
         bytes: Some(text.as_bytes().to_vec()),
         token: text,
@@ -385,7 +402,7 @@ fn token_logprob(state: &AppState, token: &SampledToken) -> TokenLogprob {
             .top_logprobs
             .iter()
             .map(|&(id, logprob)| {
-                let text = state.token_text(id);
+                let text = name(id);
                 TopLogprob {
                     bytes: Some(text.as_bytes().to_vec()),
                     token: text,
@@ -413,9 +430,13 @@ fn stream(
                    "model": prepared.model, "choices": choices})
         };
         for index in 0..prepared.n {
-            let first = chunk(
+            let mut first = chunk(
                 json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]),
             );
+            // vLLM sends the prompt's tokens with the first chunk.
+            if let Some(ids) = prepared.prompt_token_ids.as_ref().filter(|_| index == 0) {
+                first["prompt_token_ids"] = json!(ids);
+            }
             if sender.send(data(&first)).await.is_err() {
                 return;
             }
@@ -430,7 +451,7 @@ fn stream(
                         texts[token.index].push(&state, token.token.id)
                     };
                     let logprobs = if prepared.logprobs {
-                        json!({"content": [token_logprob(&state, &token.token)]})
+                        json!({"content": [token_logprob(&state, &token.token, prepared.tokens_as_ids)]})
                     } else {
                         Value::Null
                     };

@@ -5,7 +5,9 @@ mod art;
 mod batcher;
 mod chat;
 mod error;
+mod jobs;
 mod logging;
+mod preview;
 mod state;
 mod training;
 
@@ -18,7 +20,7 @@ use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::header::AUTHORIZATION;
 use axum::middleware::{self, Next};
 use axum::response::Response;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use opentelemetry::trace::FutureExt as _;
 use serde_json::{json, Value};
@@ -40,6 +42,9 @@ pub struct ServeOptions {
     pub model: String,
     /// The name clients use for the base model (default: the model file or directory name).
     pub served_model_name: Option<String>,
+    /// Other names accepted for the base model (e.g. the Hugging Face repository id a Python ART
+    /// program names as its `base_model`).
+    pub aliases: Vec<String>,
     pub host: String,
     pub port: u16,
     /// Required from clients as `Authorization: Bearer <key>` when set.
@@ -62,6 +67,7 @@ impl Default for ServeOptions {
         ServeOptions {
             model: String::new(),
             served_model_name: None,
+            aliases: Vec::new(),
             host: "127.0.0.1".into(),
             port: 8000,
             api_key: None,
@@ -112,12 +118,15 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
         batcher: Batcher::start(engine.clone(), options.max_batch, options.max_queue),
         engine,
         template,
-        aliases: vec![options.model.clone()],
+        aliases: std::iter::once(options.model.clone())
+            .chain(options.aliases.iter().cloned())
+            .collect(),
         base_model,
         api_key: options.api_key.clone(),
         default_max_tokens: options.default_max_tokens,
         art_dir: options.art_dir.clone(),
         registry: Default::default(),
+        jobs: jobs::Jobs::new(&options.art_dir),
     }))
 }
 
@@ -135,6 +144,19 @@ pub fn router(state: AppState) -> Router {
             post(training::delete_checkpoints),
         )
         .route("/art/models/{name}/log", post(logging::log))
+        // OpenPipe ART's ServerlessBackend (Python) speaks these.
+        .route("/preview/models", post(preview::create_model))
+        .route("/preview/models/{id}", delete(preview::delete_model))
+        .route("/preview/models/{id}/log", post(preview::log))
+        .route(
+            "/preview/models/{id}/checkpoints",
+            get(preview::checkpoints).delete(preview::delete_checkpoints),
+        )
+        .route("/preview/training-jobs", post(preview::create_training_job))
+        .route(
+            "/preview/training-jobs/{id}/events",
+            get(preview::job_events),
+        )
         .route("/art/models/{name}/history", get(logging::history))
         .route(
             "/art/models/{name}/trajectories/{split}/{step}",

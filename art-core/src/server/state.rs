@@ -10,6 +10,10 @@ use crate::engine::Engine;
 use super::art::{RegisteredModel, Registry};
 use super::batcher::Batcher;
 use super::error::ApiError;
+use super::jobs::Jobs;
+
+/// How ART's ServerlessBackend names trained models for inference.
+const ARTIFACT_SCHEME: &str = "wandb-artifact:///";
 
 #[derive(Clone)]
 pub struct AppState(Arc<Shared>);
@@ -26,6 +30,8 @@ pub struct Shared {
     pub default_max_tokens: usize,
     pub art_dir: PathBuf,
     pub registry: Mutex<Registry>,
+    /// Training jobs of the ServerlessBackend API.
+    pub jobs: Jobs,
 }
 
 impl Deref for AppState {
@@ -43,12 +49,15 @@ impl AppState {
 
     /// The LoRA adapter a request's `model` names: `None` for the base model, `Some(name)` for
     /// `name@step` or `name` (a trained model's latest step). Unknown names are a 404.
+    /// ART's ServerlessBackend names a trained model `wandb-artifact:///{entity}/{project}/{name}`,
+    /// with `:step{N}` for a checkpoint: that is `name` (or `name@N`) of the model registered in
+    /// that project.
     pub fn resolve_model(&self, requested: &str) -> Result<Option<String>, ApiError> {
-        if requested.is_empty()
-            || requested == self.base_model
-            || self.aliases.iter().any(|a| a == requested)
-        {
+        if requested.is_empty() || self.is_base_model(requested) {
             return Ok(None);
+        }
+        if let Some(path) = requested.strip_prefix(ARTIFACT_SCHEME) {
+            return self.resolve_artifact(requested, path);
         }
         if self.engine.adapter(requested).is_some() {
             return Ok(Some(requested.to_string()));
@@ -58,6 +67,62 @@ impl AppState {
             return Ok(None);
         }
         Err(ApiError::model_not_found(requested, &self.model_ids()))
+    }
+
+    fn resolve_artifact(&self, requested: &str, path: &str) -> Result<Option<String>, ApiError> {
+        let (path, version) = path.split_once(':').unwrap_or((path, "latest"));
+        let not_found = || ApiError::model_not_found(requested, &self.model_ids());
+        let mut parts = path.split('/');
+        let (Some(_entity), Some(project), Some(name), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(ApiError::invalid_param(
+                "model",
+                format!(
+                    "`{requested}` is not `{ARTIFACT_SCHEME}<entity>/<project>/<name>[:step<N>]`"
+                ),
+            ));
+        };
+        let model = self.registered(name).ok_or_else(not_found)?;
+        if model.info.project != project {
+            return Err(not_found());
+        }
+        if version == "latest" {
+            return self.resolve_model(name);
+        }
+        match version
+            .strip_prefix("step")
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            // Step 0 is the base model, before any training.
+            Some(0) => Ok(None),
+            Some(step) => self.resolve_model(&format!("{name}@{step}")).map_err(|_| {
+                ApiError::model_not_found(
+                    requested,
+                    &crate::train::list_checkpoints(&model.dir)
+                        .iter()
+                        .map(|s| format!("{ARTIFACT_SCHEME}{path}:step{s}"))
+                        .collect::<Vec<_>>(),
+                )
+            }),
+            None => Err(ApiError::invalid_param(
+                "model",
+                format!("`{version}` in `{requested}` is neither `latest` nor `step<N>`"),
+            )),
+        }
+    }
+
+    /// Whether `name` means the served base model: its served name or one of its aliases.
+    pub fn is_base_model(&self, name: &str) -> bool {
+        name == self.base_model || self.aliases.iter().any(|a| a == name)
+    }
+
+    /// The base model's names, the served one first.
+    pub fn base_model_names(&self) -> Vec<String> {
+        std::iter::once(&self.base_model)
+            .chain(&self.aliases)
+            .map(|n| format!("`{n}`"))
+            .collect()
     }
 
     /// A registered trainable model (a cheap handle: its trainer is shared).

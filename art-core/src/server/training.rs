@@ -16,9 +16,10 @@ use crate::telemetry;
 use crate::train::{checkpoint_metrics, list_checkpoints, TrainError};
 use crate::types::{
     CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse,
-    TrainEvent, TrainRequest,
+    StepResult, TrainConfig, TrainEvent, TrainProgress, TrainRequest, TrajectoryGroup,
 };
 
+use super::art::RegisteredModel;
 use super::error::{ApiError, ApiJson};
 use super::logging::store_error;
 use super::state::AppState;
@@ -44,52 +45,18 @@ pub async fn train(
     // queue on its trainer's lock. A client that goes away does not stop a step: its checkpoint
     // is still written, and the next get_step shows it.
     let (events, mut received) = mpsc::unbounded_channel::<Result<TrainEvent, TrainError>>();
-    // The step's `train_step` span, under the client's: it spans the wait for the trainer and the
-    // step itself, and carries the step's metrics.
-    let span = telemetry::start(
-        "train_step",
-        SpanKind::Server,
-        vec![
-            KeyValue::new("art.model", name.clone()),
-            KeyValue::new("art.groups", request.trajectory_groups.len() as i64),
-        ],
-    );
+    let span = step_span(&name, request.trajectory_groups.len());
     tokio::task::spawn_blocking(move || {
-        let _in_span = span.clone().attach();
-        let mut trainer = model
-            .trainer
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let progress = events.clone();
-        let outcome = trainer.train(&request.trajectory_groups, &request.config, |p| {
-            let _ = progress.send(Ok(TrainEvent::Progress(p)));
-        });
-        if let Ok(result) = &outcome {
-            model
-                .step
-                .store(result.step, std::sync::atomic::Ordering::SeqCst);
-            // The step's metrics go to history.jsonl (split `train`, at the new step) for the
-            // loss and gradient-norm curves. The checkpoint is already written: a history that
-            // cannot be appended to is reported, not a failed step.
-            if let Err(e) =
-                model
-                    .store
-                    .append_history(result.step, "train", result.metrics.history_metrics())
-            {
-                eprintln!(
-                    "art serve: step {} of `{}`: {e}",
-                    result.step, model.info.name
-                );
-            }
-        }
-        telemetry::end_with(&span, &outcome, |result| {
-            let metrics = result.metrics.history_metrics().into_iter();
-            std::iter::once(KeyValue::new("art.step", result.step as i64))
-                .chain(
-                    metrics.map(|(name, value)| KeyValue::new(format!("art.train.{name}"), value)),
-                )
-                .collect()
-        });
+        let outcome = run_step(
+            &model,
+            &request.trajectory_groups,
+            &request.config,
+            span,
+            |p| {
+                let _ = progress.send(Ok(TrainEvent::Progress(p)));
+            },
+        );
         let _ = events.send(outcome.map(TrainEvent::Result));
     });
 
@@ -131,7 +98,63 @@ pub async fn train(
         .into_response())
 }
 
-fn train_error(e: TrainError) -> ApiError {
+/// A step's `train_step` span, under the client's: it spans the wait for the trainer and the
+/// step itself, and carries the step's metrics.
+pub(super) fn step_span(model: &str, groups: usize) -> opentelemetry::Context {
+    telemetry::start(
+        "train_step",
+        SpanKind::Server,
+        vec![
+            KeyValue::new("art.model", model.to_string()),
+            KeyValue::new("art.groups", groups as i64),
+        ],
+    )
+}
+
+/// One training step of `model`, on the calling (blocking) thread: waits for the model's
+/// trainer (steps of one model queue there), trains, publishes the new step and appends its
+/// metrics to the model's history. A client that went away does not stop it.
+pub(super) fn run_step(
+    model: &RegisteredModel,
+    groups: &[TrajectoryGroup],
+    config: &TrainConfig,
+    span: opentelemetry::Context,
+    on_progress: impl FnMut(TrainProgress),
+) -> Result<StepResult, TrainError> {
+    let _in_span = span.clone().attach();
+    let mut trainer = model
+        .trainer
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let outcome = trainer.train(groups, config, on_progress);
+    if let Ok(result) = &outcome {
+        model
+            .step
+            .store(result.step, std::sync::atomic::Ordering::SeqCst);
+        // The step's metrics go to history.jsonl (split `train`, at the new step) for the
+        // loss and gradient-norm curves. The checkpoint is already written: a history that
+        // cannot be appended to is reported, not a failed step.
+        if let Err(e) =
+            model
+                .store
+                .append_history(result.step, "train", result.metrics.history_metrics())
+        {
+            eprintln!(
+                "art serve: step {} of `{}`: {e}",
+                result.step, model.info.name
+            );
+        }
+    }
+    telemetry::end_with(&span, &outcome, |result| {
+        let metrics = result.metrics.history_metrics().into_iter();
+        std::iter::once(KeyValue::new("art.step", result.step as i64))
+            .chain(metrics.map(|(name, value)| KeyValue::new(format!("art.train.{name}"), value)))
+            .collect()
+    });
+    outcome
+}
+
+pub(super) fn train_error(e: TrainError) -> ApiError {
     if e.is_client_error() {
         ApiError::bad_request(e.to_string())
     } else {

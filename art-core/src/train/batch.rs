@@ -6,7 +6,9 @@
 use crate::engine::chat_template::{ChatTemplate, RenderOptions};
 use crate::engine::tool_calls::conversation_for_template;
 use crate::engine::Engine;
-use crate::types::{Message, MessageOrChoice, Tool, TrajectoryGroup};
+use crate::types::{
+    ChatCompletionsExchange, Choice, Message, MessageOrChoice, Tool, Trajectory, TrajectoryGroup,
+};
 
 use super::error::{Result, SequenceSource, TrainError};
 
@@ -119,7 +121,6 @@ impl<'e> Tokenization<'e> {
         let mut tokens = Vec::new();
         let mut trainable = Vec::new();
         let mut logprobs = Vec::new();
-        let vocab = self.engine.config().vocab_size;
         for segment in rendered.as_ref().map(|r| r.segments()).unwrap_or_default() {
             let original = segment
                 .assistant_message
@@ -142,48 +143,191 @@ impl<'e> Tokenization<'e> {
                     at: source,
                     message,
                 })?;
-            if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                return Err(TrainError::TokenOutOfVocabulary {
-                    at: source,
-                    token: bad,
-                    vocab,
-                });
-            }
-            let lps = match choice.sampled_logprobs() {
-                Some(lps) if lps.len() == ids.len() => {
-                    lps.into_iter().map(|x| x as f32).collect::<Vec<_>>()
-                }
-                // A server may leave the final end-of-turn token out of `logprobs.content`
-                // (OpenAI does): that token is then trained with a ratio of 1.
-                Some(lps)
-                    if lps.len() + 1 == ids.len()
-                        && self.engine.eos_token_ids().contains(ids.last().unwrap()) =>
-                {
-                    let mut v: Vec<f32> = lps.into_iter().map(|x| x as f32).collect();
-                    v.push(f32::NAN);
-                    v
-                }
-                Some(lps) => {
-                    return Err(TrainError::LogprobCountMismatch {
-                        at: source,
-                        message,
-                        tokens: ids.len(),
-                        logprobs: lps.len(),
-                    })
-                }
-                None if self.allow_missing_logprobs => vec![f32::NAN; ids.len()],
-                None => {
-                    return Err(TrainError::MissingLogprobs {
-                        at: source,
-                        message,
-                    })
-                }
-            };
+            let lps = self.sampled(choice, &ids, source, message)?;
             trainable.extend(std::iter::repeat_n(true, ids.len()));
             logprobs.extend(lps);
             tokens.extend(ids);
         }
-        // The first token has no prefix to predict it from.
+        self.finish(tokens, trainable, logprobs, advantage, source)
+    }
+
+    /// Every sequence of a trajectory: its conversation (or its captured calls) and its
+    /// additional histories, all with the trajectory's advantage.
+    pub fn trajectory_sequences(
+        &self,
+        trajectory: &Trajectory,
+        advantage: f64,
+        source: SequenceSource,
+    ) -> Result<Vec<TrainSequence>> {
+        let exchanges = &trajectory.exchanges;
+        if !exchanges.is_empty() {
+            let unsupported = [
+                ("legacy completions", exchanges.completions.len()),
+                ("Responses API", exchanges.responses.len()),
+                ("Anthropic Messages", exchanges.messages.len()),
+            ];
+            if let Some((api, _)) = unsupported.iter().find(|(_, count)| *count > 0) {
+                return Err(TrainError::BadExchange {
+                    at: source,
+                    exchange: 0,
+                    reason: format!(
+                        "calls to the {api} API cannot be trained on: this server samples (and \
+                         trains) chat completions only"
+                    ),
+                });
+            }
+            if !trajectory.messages_and_choices.is_empty()
+                || !trajectory.additional_histories.is_empty()
+            {
+                return Err(TrainError::BadExchange {
+                    at: source,
+                    exchange: 0,
+                    reason: "a trajectory holds either captured exchanges or \
+                             messages_and_choices (and additional histories), not both"
+                        .into(),
+                });
+            }
+            return self.exchange_sequences(&exchanges.chat_completions, advantage, source);
+        }
+        let mut sequences = vec![self.sequence(
+            &trajectory.messages_and_choices,
+            trajectory.tools.as_deref(),
+            advantage,
+            source,
+        )?];
+        for (h, history) in trajectory.additional_histories.iter().enumerate() {
+            let tools = history.tools.as_deref().or(trajectory.tools.as_deref());
+            sequences.push(self.sequence(
+                &history.messages_and_choices,
+                tools,
+                advantage,
+                SequenceSource {
+                    history: Some(h),
+                    ..source
+                },
+            )?);
+        }
+        Ok(sequences)
+    }
+
+    /// The sampler's logprobs of a choice's sampled `ids` (checked against the vocabulary);
+    /// `message` names the choice in errors.
+    fn sampled(
+        &self,
+        choice: &Choice,
+        ids: &[u32],
+        source: SequenceSource,
+        message: usize,
+    ) -> Result<Vec<f32>> {
+        let vocab = self.engine.config().vocab_size;
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(TrainError::TokenOutOfVocabulary {
+                at: source,
+                token: bad,
+                vocab,
+            });
+        }
+        Ok(match choice.sampled_logprobs() {
+            Some(lps) if lps.len() == ids.len() => lps.into_iter().map(|x| x as f32).collect(),
+            // A server may leave the final end-of-turn token out of `logprobs.content`
+            // (OpenAI does): that token is then trained with a ratio of 1.
+            Some(lps)
+                if lps.len() + 1 == ids.len()
+                    && self.engine.eos_token_ids().contains(ids.last().unwrap()) =>
+            {
+                let mut v: Vec<f32> = lps.into_iter().map(|x| x as f32).collect();
+                v.push(f32::NAN);
+                v
+            }
+            Some(lps) => {
+                return Err(TrainError::LogprobCountMismatch {
+                    at: source,
+                    message,
+                    tokens: ids.len(),
+                    logprobs: lps.len(),
+                })
+            }
+            None if self.allow_missing_logprobs => vec![f32::NAN; ids.len()],
+            None => {
+                return Err(TrainError::MissingLogprobs {
+                    at: source,
+                    message,
+                })
+            }
+        })
+    }
+
+    /// The sequences of a rollout captured as raw chat-completion calls, on the exact tokens the
+    /// server reported: each choice is its prompt's `prompt_token_ids` followed by its sampled
+    /// `token_ids`. A call whose prompt starts with an earlier sequence (the next turn of the
+    /// same conversation) extends that sequence, so a multi-turn rollout trains as one.
+    pub fn exchange_sequences(
+        &self,
+        exchanges: &[ChatCompletionsExchange],
+        advantage: f64,
+        source: SequenceSource,
+    ) -> Result<Vec<TrainSequence>> {
+        // (tokens, trainable, logprobs) of each conversation so far.
+        let mut built: Vec<(Vec<u32>, Vec<bool>, Vec<f32>)> = Vec::new();
+        for (k, exchange) in exchanges.iter().enumerate() {
+            let bad = |reason: &str| TrainError::BadExchange {
+                at: source,
+                exchange: k,
+                reason: reason.to_string(),
+            };
+            let prompt = exchange.prompt_token_ids().ok_or_else(|| {
+                bad(
+                    "the response has no `prompt_token_ids`; sample with `return_token_ids: \
+                     true` (ART's model.openai_client() asks for it) so that training sees the \
+                     exact tokens",
+                )
+            })?;
+            if exchange.response.choices.is_empty() {
+                return Err(bad("the response has no choices"));
+            }
+            for choice in &exchange.response.choices {
+                let ids = choice.sampled_token_ids().ok_or_else(|| {
+                    bad("a choice has no `token_ids`; sample with `return_token_ids: true`")
+                })?;
+                let lps = self.sampled(choice, &ids, source, k)?;
+                let continued = built
+                    .iter_mut()
+                    .rev()
+                    .find(|(tokens, _, _)| prompt.starts_with(tokens));
+                let (tokens, trainable, logprobs) = match continued {
+                    Some(conversation) => conversation,
+                    None => {
+                        built.push(Default::default());
+                        built.last_mut().expect("just pushed")
+                    }
+                };
+                let context = &prompt[tokens.len()..];
+                trainable.extend(std::iter::repeat_n(false, context.len()));
+                logprobs.extend(std::iter::repeat_n(f32::NAN, context.len()));
+                tokens.extend_from_slice(context);
+                trainable.extend(std::iter::repeat_n(true, ids.len()));
+                logprobs.extend(lps);
+                tokens.extend(ids);
+            }
+        }
+        built
+            .into_iter()
+            .map(|(tokens, trainable, logprobs)| {
+                self.finish(tokens, trainable, logprobs, advantage, source)
+            })
+            .collect()
+    }
+
+    /// A conversation's tokens as a training sequence: the first token is never trained (nothing
+    /// predicts it), tokens after the last sampled one are dropped, the context length checked.
+    fn finish(
+        &self,
+        mut tokens: Vec<u32>,
+        mut trainable: Vec<bool>,
+        mut logprobs: Vec<f32>,
+        advantage: f64,
+        source: SequenceSource,
+    ) -> Result<TrainSequence> {
         if let Some(first) = trainable.first_mut() {
             *first = false;
         }
@@ -294,25 +438,7 @@ pub fn prepare_batch(
                 trajectory: t,
                 history: None,
             };
-            let main = tokenization.sequence(
-                &trajectory.messages_and_choices,
-                trajectory.tools.as_deref(),
-                advantage,
-                source,
-            )?;
-            let mut sequences = vec![main];
-            for (h, history) in trajectory.additional_histories.iter().enumerate() {
-                let tools = history.tools.as_deref().or(trajectory.tools.as_deref());
-                sequences.push(tokenization.sequence(
-                    &history.messages_and_choices,
-                    tools,
-                    advantage,
-                    SequenceSource {
-                        history: Some(h),
-                        ..source
-                    },
-                )?);
-            }
+            let sequences = tokenization.trajectory_sequences(trajectory, advantage, source)?;
             if advantages.is_some() {
                 out.sequences
                     .extend(sequences.into_iter().filter(|s| s.num_trainable() > 0));

@@ -86,6 +86,13 @@ pub enum TrainError {
         context: usize,
     },
 
+    #[error("{at}, captured exchange {exchange}: {reason}")]
+    BadExchange {
+        at: SequenceSource,
+        exchange: usize,
+        reason: String,
+    },
+
     #[error("{at}: cannot render the conversation with the model's chat template: {error}")]
     ChatTemplate {
         at: SequenceSource,
@@ -141,6 +148,7 @@ impl TrainError {
                 | TrainError::TokenOutOfVocabulary { .. }
                 | TrainError::SequenceTooLong { .. }
                 | TrainError::ChatTemplate { .. }
+                | TrainError::BadExchange { .. }
                 | TrainError::NonFinite { .. }
         )
     }

@@ -1,5 +1,6 @@
-//! The GRPO loss of one micro-batch: PPO-style clipped importance ratios against the sampler's
-//! logprobs (per token, or per sequence as a geometric mean), an optional k3 KL penalty to the
+//! The GRPO loss of one micro-batch: PPO-style clipped importance ratios (or CISPO's clipped
+//! weights) against the sampler's logprobs (per token, per sequence as a geometric mean, or a mix
+//! of the two), an optional k3 KL penalty to the
 //! base model, and each token weighted so that summing micro-batches gives the step's loss.
 
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
 
 use crate::engine::{ops, Forward, LayerInputs, LoraAdapter, Model};
-use crate::types::{ImportanceSamplingLevel, TrainConfig};
+use crate::types::{ImportanceSamplingLevel, LossFn, TrainConfig};
 
 use super::batch::TrainSequence;
 use super::error::Result;
@@ -268,54 +269,78 @@ pub fn micro_batch_loss(
     let known = vector(known)?;
     let old = (vector(old_filled)? + new_lp.detach().mul(&(1.0 - &known)?)?)?;
     let token_log_ratio = (&new_lp - &old)?;
-    let log_ratio = match config.importance_sampling_level {
-        ImportanceSamplingLevel::Token => token_log_ratio,
-        ImportanceSamplingLevel::Sequence => {
-            // Mean log-ratio of each sequence (the log of the geometric mean of its token ratios),
-            // given back to each of its tokens.
-            let mut membership = vec![0f64; rows * n];
-            for (j, &r) in seq_of.iter().enumerate() {
-                membership[r as usize * n + j] = 1.0 / seq_tokens[r as usize] as f64;
-            }
-            let membership = Tensor::from_vec(membership, (rows, n), device)?.to_dtype(dtype)?;
-            let per_seq = membership
-                .matmul(&token_log_ratio.unsqueeze(1)?)?
-                .squeeze(1)?;
-            let seq_of = Tensor::from_vec(seq_of.clone(), n, device)?;
-            per_seq.index_select(&seq_of, 0)?
+    // Mean log-ratio of each sequence (the log of the geometric mean of its token ratios),
+    // given back to each of its tokens.
+    let sequence_log_ratio = || -> Result<Tensor> {
+        let mut membership = vec![0f64; rows * n];
+        for (j, &r) in seq_of.iter().enumerate() {
+            membership[r as usize * n + j] = 1.0 / seq_tokens[r as usize] as f64;
+        }
+        let membership = Tensor::from_vec(membership, (rows, n), device)?.to_dtype(dtype)?;
+        let per_seq = membership
+            .matmul(&token_log_ratio.unsqueeze(1)?)?
+            .squeeze(1)?;
+        let seq_of = Tensor::from_vec(seq_of.clone(), n, device)?;
+        Ok(per_seq.index_select(&seq_of, 0)?)
+    };
+    let ratio = match config.importance_sampling_level {
+        ImportanceSamplingLevel::Token => token_log_ratio.exp()?,
+        ImportanceSamplingLevel::Sequence => sequence_log_ratio()?.exp()?,
+        ImportanceSamplingLevel::Average => {
+            ((token_log_ratio.exp()? + sequence_log_ratio()?.exp()?)? * 0.5)?
+        }
+        ImportanceSamplingLevel::GeometricAverage => {
+            ((&token_log_ratio + sequence_log_ratio()?)? * 0.5)?.exp()?
         }
     };
-    let ratio = log_ratio.exp()?;
 
-    // -min(r A, clip(r) A): where the clipped term is the smaller one it is a constant (no
-    // gradient), elsewhere it is r A. Decided on detached values.
+    // Each token's term is `coef * x + constant`, decided on detached values, with `x` the
+    // ratio (PPO) or the log-probability (CISPO).
+    // PPO, -min(r A, clip(r) A): where the clipped term is the smaller one it is a constant (no
+    // gradient), elsewhere it is r A.
+    // CISPO, -sg(clip(r)) A log p: the clipped ratio is a constant weight, never a cut-off.
     let ratio_values: Vec<f64> = ratio.to_dtype(DType::F64)?.to_vec1()?;
     let (low, high) = (1.0 - config.epsilon, 1.0 + config.epsilon_high());
     let mut coef = Vec::with_capacity(n);
     let mut constant = Vec::with_capacity(n);
     let mut clipped_tokens = 0;
     for (&r, &a) in ratio_values.iter().zip(&advantages) {
-        let clip = if a > 0.0 && r > high {
-            Some(high)
-        } else if a < 0.0 && r < low {
-            Some(low)
-        } else {
-            None
-        };
-        match clip {
-            Some(c) => {
-                clipped_tokens += 1;
-                coef.push(0.0);
-                constant.push(-a * c);
+        match config.loss_fn {
+            LossFn::Ppo => {
+                let clip = if a > 0.0 && r > high {
+                    Some(high)
+                } else if a < 0.0 && r < low {
+                    Some(low)
+                } else {
+                    None
+                };
+                match clip {
+                    Some(c) => {
+                        clipped_tokens += 1;
+                        coef.push(0.0);
+                        constant.push(-a * c);
+                    }
+                    None => {
+                        coef.push(-a);
+                        constant.push(0.0);
+                    }
+                }
             }
-            None => {
-                coef.push(-a);
+            LossFn::Cispo => {
+                if r < low || r > high {
+                    clipped_tokens += 1;
+                }
+                coef.push(-a * r.clamp(low, high));
                 constant.push(0.0);
             }
         }
     }
     let weights = vector(weights)?;
-    let token_pg = ((&ratio * vector(coef)?)? + vector(constant)?)?;
+    let x = match config.loss_fn {
+        LossFn::Ppo => &ratio,
+        LossFn::Cispo => &new_lp,
+    };
+    let token_pg = ((x * vector(coef)?)? + vector(constant)?)?;
     let policy = (token_pg * &weights)?.sum_all()?;
     let policy_loss = policy.to_dtype(DType::F64)?.to_scalar::<f64>()?;
 

@@ -11,6 +11,23 @@ pub enum ImportanceSamplingLevel {
     Token,
     /// One ratio per sequence: the geometric mean of its token ratios (GSPO).
     Sequence,
+    /// The arithmetic mean of the token's ratio and its sequence's (ART's `average`).
+    Average,
+    /// The geometric mean of the token's ratio and its sequence's (ART's `geometric_average`).
+    GeometricAverage,
+}
+
+/// The policy-gradient objective (ART's `loss_fn`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LossFn {
+    /// PPO's clipped surrogate `-min(r A, clip(r) A)`: a token whose ratio left the trust region
+    /// in the direction its advantage pushes gives no gradient.
+    #[default]
+    Ppo,
+    /// CISPO: `-sg(clip(r)) A log p`. The clipped ratio only weighs the token's log-probability,
+    /// so every token keeps a gradient. ART's epsilons for it are wider (1.0 and 4.0).
+    Cispo,
 }
 
 /// The LoRA adapter trained on top of the frozen base model.
@@ -53,6 +70,8 @@ impl Default for LoraConfig {
 pub struct TrainConfig {
     /// AdamW learning rate. ART's default 5e-6 suits large models; tiny models learn faster with more.
     pub learning_rate: f64,
+    /// PPO clipping (our default) or CISPO (ART's default since 0.5).
+    pub loss_fn: LossFn,
     /// Weight of the k3 KL penalty to the base model (0 = no reference forward pass).
     pub beta: f64,
     /// Lower clip of the importance ratio: ratios below `1 - epsilon` stop giving gradient.
@@ -86,6 +105,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         TrainConfig {
             learning_rate: 5e-6,
+            loss_fn: LossFn::Ppo,
             beta: 0.0,
             epsilon: 0.2,
             epsilon_high: None,

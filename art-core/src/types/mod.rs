@@ -5,11 +5,12 @@ mod config;
 mod logging;
 mod message;
 mod openai;
+mod serverless;
 mod training;
 mod trajectory;
 
 pub use choice::{Choice, ChoiceLogprobs, TokenLogprob, TopLogprob};
-pub use config::{ImportanceSamplingLevel, InvalidConfig, LoraConfig, TrainConfig};
+pub use config::{ImportanceSamplingLevel, InvalidConfig, LoraConfig, LossFn, TrainConfig};
 pub use logging::{HistoryList, LogRequest, Split, TrajectoryGroupList};
 pub use message::{
     AssistantMessage, Content, ContentPart, FunctionCall, FunctionDefinition, ImageUrl, Message,
@@ -18,11 +19,16 @@ pub use message::{
 pub use openai::{
     ChatCompletion, ChatCompletionRequest, JsonSchemaFormat, ResponseFormat, Stop, Usage,
 };
+pub use serverless::{
+    CursorPage, DeleteStepsRequest, DeleteStepsResponse, ExperimentalConfig, JobEventKind,
+    PreviewCheckpoint, PreviewModel, PreviewModelRequest, TrainingJob, TrainingJobEvent,
+    TrainingJobRequest, UnsupportedSetting,
+};
 pub use training::{
     CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse,
     StepMetrics, StepResult, TrainEvent, TrainProgress, TrainRequest,
 };
 pub use trajectory::{
-    History, MessageOrChoice, MetadataValue, MetricValue, RolloutException, Trajectory,
-    TrajectoryGroup,
+    ChatCompletionsExchange, History, MessageOrChoice, MetadataValue, MetricValue,
+    RolloutException, Trajectory, TrajectoryExchanges, TrajectoryGroup,
 };

@@ -47,6 +47,16 @@ pub struct ChatCompletionRequest {
     pub stream: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_options: Option<serde_json::Value>,
+    /// vLLM's: answer with the prompt's token ids (`prompt_token_ids`) beside each choice's
+    /// `token_ids` (which this server always sends). ART's Python client asks for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub return_token_ids: Option<bool>,
+    /// vLLM's: write each logprob token as `token_id:<id>` instead of its text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub return_tokens_as_token_ids: Option<bool>,
+    /// vLLM's: extra variables for the chat template (e.g. `enable_thinking`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
 }

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::choice::Choice;
 use super::message::{Message, Tool};
+use super::openai::ChatCompletion;
 
 /// An item of a conversation: a message written by someone, or a choice sampled from the model.
 /// Only choices are trained on.
@@ -46,9 +47,56 @@ pub struct History {
     pub tools: Option<Vec<Tool>>,
 }
 
+/// The raw calls a rollout made, as ART (>= 0.5) captures them from its HTTP clients: a
+/// trajectory holds either these or `messages_and_choices`, never both.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct TrajectoryExchanges {
+    #[serde(default)]
+    pub chat_completions: Vec<ChatCompletionsExchange>,
+    /// Calls to the legacy completions, Responses and Anthropic Messages APIs, kept as sent
+    /// (this server samples chat completions only, so it cannot train on them).
+    #[serde(default)]
+    pub completions: Vec<serde_json::Value>,
+    #[serde(default)]
+    pub responses: Vec<serde_json::Value>,
+    #[serde(default)]
+    pub messages: Vec<serde_json::Value>,
+}
+
+impl TrajectoryExchanges {
+    pub fn is_empty(&self) -> bool {
+        self.chat_completions.is_empty()
+            && self.completions.is_empty()
+            && self.responses.is_empty()
+            && self.messages.is_empty()
+    }
+}
+
+/// One `POST /chat/completions` of a rollout: the request as sent and the response as received
+/// (with the sampled token ids when the request asked for them, `return_token_ids`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatCompletionsExchange {
+    pub request: serde_json::Map<String, serde_json::Value>,
+    pub response: ChatCompletion,
+    /// Timestamps and ART's computed fields, kept as they came.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ChatCompletionsExchange {
+    /// The prompt's token ids as the server reported them (vLLM's `prompt_token_ids`).
+    pub fn prompt_token_ids(&self) -> Option<Vec<u32>> {
+        serde_json::from_value(self.response.extra.get("prompt_token_ids")?.clone()).ok()
+    }
+}
+
 /// One rollout: what was said, what the model chose, and how well it went.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Trajectory {
+    /// The calls the rollout made, when its client captured them (ART's `exchanges`).
+    #[serde(default, skip_serializing_if = "TrajectoryExchanges::is_empty")]
+    pub exchanges: TrajectoryExchanges,
+    #[serde(default)]
     pub messages_and_choices: Vec<MessageOrChoice>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<Vec<Tool>>,
@@ -75,6 +123,7 @@ impl PartialEq for Trajectory {
     /// Equal when all serialized fields are; the in-memory start time is not compared.
     fn eq(&self, other: &Self) -> bool {
         self.messages_and_choices == other.messages_and_choices
+            && self.exchanges == other.exchanges
             && self.tools == other.tools
             && self.additional_histories == other.additional_histories
             && self.reward == other.reward
@@ -89,6 +138,7 @@ impl PartialEq for Trajectory {
 impl Default for Trajectory {
     fn default() -> Self {
         Trajectory {
+            exchanges: TrajectoryExchanges::default(),
             messages_and_choices: Vec::new(),
             tools: None,
             additional_histories: Vec::new(),
@@ -167,6 +217,39 @@ impl Trajectory {
     /// Seconds since the rollout began.
     pub fn elapsed_seconds(&self) -> f64 {
         self.start_time.elapsed().as_secs_f64()
+    }
+
+    /// A rollout captured as raw calls, shown as the conversation they make up: the last call's
+    /// messages and its (first) choice become `messages_and_choices`, for the logged
+    /// trajectories and their tables. Does nothing to a trajectory with messages already.
+    pub fn show_exchanges_as_conversation(&mut self) {
+        if !self.messages_and_choices.is_empty() {
+            return;
+        }
+        let Some(last) = self.exchanges.chat_completions.last() else {
+            return;
+        };
+        let messages: Vec<Message> = last
+            .request
+            .get("messages")
+            .and_then(|m| serde_json::from_value(m.clone()).ok())
+            .unwrap_or_default();
+        self.tools = last
+            .request
+            .get("tools")
+            .and_then(|t| serde_json::from_value(t.clone()).ok());
+        self.messages_and_choices = messages
+            .into_iter()
+            .map(MessageOrChoice::Message)
+            .chain(
+                last.response
+                    .choices
+                    .first()
+                    .cloned()
+                    .map(MessageOrChoice::Choice),
+            )
+            .collect();
+        self.exchanges = TrajectoryExchanges::default();
     }
 
     /// Records the rollout's wall time as the `duration` metric (seconds), as ART's `finish()` does.

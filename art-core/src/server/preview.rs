@@ -1,0 +1,342 @@
+//! The API of OpenPipe ART's `ServerlessBackend` under `/v1/preview`, so that Python ART code
+//! trains on this server by passing `base_url`: models are registered, trained by polled jobs,
+//! and their checkpoints listed and deleted. Everything goes through the same registry, store
+//! and trainers as `/v1/art`; a model's id is its name.
+
+use std::sync::atomic::Ordering;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::backend::RegisterRequest;
+use crate::train::{checkpoint_metrics, list_checkpoints};
+use crate::types::{
+    CursorPage, DeleteStepsRequest, DeleteStepsResponse, ExperimentalConfig, JobEventKind,
+    LogRequest, PreviewCheckpoint, PreviewModel, PreviewModelRequest, TrainConfig, TrainingJob,
+    TrainingJobEvent, TrainingJobRequest,
+};
+
+use super::art::register_model;
+use super::error::{ApiError, ApiJson};
+use super::jobs::object;
+use super::state::AppState;
+use super::training::{run_step, step_span, train_error};
+
+/// The entity a model gets when the client names none (W&B would use the user's default team).
+const DEFAULT_ENTITY: &str = "local";
+
+/// Pages are this long unless the client asks for fewer items.
+const PAGE_LIMIT: usize = 100;
+
+pub async fn create_model(
+    State(state): State<AppState>,
+    ApiJson(request): ApiJson<PreviewModelRequest>,
+) -> Result<ApiJson<PreviewModel>, ApiError> {
+    let required = |field: &str, value: &Option<String>| {
+        value
+            .clone()
+            .ok_or_else(|| ApiError::invalid_param(field, format!("`{field}` is required")))
+    };
+    let (project, name) = (
+        required("project", &request.project)?,
+        required("name", &request.name)?,
+    );
+    if !state.is_base_model(&request.base_model) {
+        return Err(ApiError::invalid_param(
+            "base_model",
+            format!(
+                "this server does not serve `{}`: it serves {}. Name one of these, or start \
+                 `art serve --alias {}` when that name means the same model",
+                request.base_model,
+                state.base_model_names().join(", "),
+                request.base_model
+            ),
+        ));
+    }
+    if state.is_trainable(&name) && !request.return_existing {
+        return Err(ApiError::conflict(format!(
+            "a model named `{name}` is registered already; pass return_existing to use it"
+        )));
+    }
+    let info = register_model(
+        &state,
+        &RegisterRequest {
+            name,
+            project,
+            base_model: None,
+            lora: Default::default(),
+        },
+    )
+    .await?;
+    Ok(ApiJson(PreviewModel {
+        id: info.name.clone(),
+        entity: request.entity.unwrap_or_else(|| DEFAULT_ENTITY.to_string()),
+        project: info.project,
+        name: info.name,
+        base_model: request.base_model,
+        run_id: None,
+    }))
+}
+
+/// Forgets the model and deletes its directory (checkpoints, history, logged trajectories),
+/// after any step it is running.
+pub async fn delete_model(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let model = state.registered_or_404(&id)?;
+    let engine = state.engine.clone();
+    let unregistered = state.clone();
+    tokio::task::spawn_blocking(move || {
+        let trainer = model
+            .trainer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        for adapter in trainer.served_adapters() {
+            engine.remove_adapter(adapter);
+        }
+        engine.remove_adapter(trainer.name());
+        unregistered
+            .registry
+            .lock()
+            .expect("registry lock")
+            .models
+            .remove(trainer.name());
+        std::fs::remove_dir_all(&model.dir)
+            .map_err(|e| ApiError::internal(format!("cannot delete {}: {e}", model.dir.display())))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("deleting the model stopped: {e}")))??;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// ART's `model.log` through the backend: the groups are recorded like `/v1/art/.../log`, with
+/// captured calls shown as the conversation they make up.
+pub async fn log(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(mut request): ApiJson<LogRequest>,
+) -> Result<StatusCode, ApiError> {
+    for trajectory in request
+        .trajectory_groups
+        .iter_mut()
+        .flat_map(|g| &mut g.trajectories)
+    {
+        trajectory.show_exchanges_as_conversation();
+    }
+    super::logging::log(State(state), Path(id), ApiJson(request)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ListQuery {
+    after: Option<String>,
+    limit: Option<usize>,
+    order: Option<String>,
+}
+
+/// A page of `items` (with their ids) after the item `after`, at most `limit` long.
+fn page<T: Clone>(
+    items: &[(String, T)],
+    after: Option<&str>,
+    limit: Option<usize>,
+) -> Result<CursorPage<T>, ApiError> {
+    let start = match after {
+        None => 0,
+        Some(after) => {
+            items
+                .iter()
+                .position(|(id, _)| id == after)
+                .ok_or_else(|| {
+                    ApiError::invalid_param("after", format!("no item has the id `{after}`"))
+                })?
+                + 1
+        }
+    };
+    let limit = limit.unwrap_or(PAGE_LIMIT).max(1);
+    let rest = &items[start..];
+    Ok(CursorPage {
+        data: rest.iter().take(limit).map(|(_, t)| t.clone()).collect(),
+        has_more: rest.len() > limit,
+    })
+}
+
+pub async fn checkpoints(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(query): Query<ListQuery>,
+) -> Result<ApiJson<CursorPage<PreviewCheckpoint>>, ApiError> {
+    let model = state.registered_or_404(&id)?;
+    let mut steps = list_checkpoints(&model.dir);
+    match query.order.as_deref() {
+        None | Some("asc") => {}
+        Some("desc") => steps.reverse(),
+        Some(other) => {
+            return Err(ApiError::invalid_param(
+                "order",
+                format!("order must be `asc` or `desc`, not `{other}`"),
+            ))
+        }
+    }
+    let items: Vec<(String, PreviewCheckpoint)> = steps
+        .into_iter()
+        .map(|step| {
+            let checkpoint = PreviewCheckpoint {
+                id: format!("{id}:step{step}"),
+                step,
+                metrics: checkpoint_metrics(&model.dir, step)
+                    .map(|m| m.history_metrics())
+                    .unwrap_or_default(),
+            };
+            (checkpoint.id.clone(), checkpoint)
+        })
+        .collect();
+    Ok(ApiJson(page(&items, query.after.as_deref(), query.limit)?))
+}
+
+/// Deletes the listed steps' checkpoints. The latest is what the model resumes from: asking
+/// for it deletes nothing and says so.
+pub async fn delete_checkpoints(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(request): ApiJson<DeleteStepsRequest>,
+) -> Result<ApiJson<DeleteStepsResponse>, ApiError> {
+    let model = state.registered_or_404(&id)?;
+    let outcome = tokio::task::spawn_blocking(move || {
+        // With the trainer held no step can add a checkpoint meanwhile.
+        let mut trainer = model
+            .trainer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let steps = list_checkpoints(&model.dir);
+        if let Some(latest) = steps.last().filter(|s| request.steps.contains(s)) {
+            return Err(ApiError::invalid_param(
+                "steps",
+                format!(
+                    "step {latest} is the latest checkpoint of `{id}`, which training resumes \
+                     from; it cannot be deleted (nothing was)"
+                ),
+            ));
+        }
+        let keep: Vec<u64> = steps
+            .iter()
+            .copied()
+            .filter(|s| !request.steps.contains(s))
+            .collect();
+        let (deleted, _) = trainer.delete_checkpoints(&keep).map_err(train_error)?;
+        let mut not_found_steps: Vec<u64> = request
+            .steps
+            .iter()
+            .copied()
+            .filter(|s| !steps.contains(s))
+            .collect();
+        not_found_steps.dedup();
+        Ok(DeleteStepsResponse {
+            deleted_count: deleted.len(),
+            not_found_steps,
+        })
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("deleting checkpoints stopped: {e}")))??;
+    Ok(ApiJson(outcome))
+}
+
+/// Starts a training step and answers at once with the job's id; the step's progress is read
+/// from the job's events. Settings and the model are checked first (a 400 or 404 starts
+/// nothing); a batch the trainer refuses ends the job with `training_failed`.
+pub async fn create_training_job(
+    State(state): State<AppState>,
+    ApiJson(request): ApiJson<TrainingJobRequest>,
+) -> Result<ApiJson<TrainingJob>, ApiError> {
+    let model = state.registered_or_404(&request.model_id)?;
+    let config = train_config_of(&request.experimental_config.unwrap_or_default())?;
+    config
+        .validate()
+        .map_err(|e| ApiError::invalid_param("experimental_config", e.to_string()))?;
+    if request.trajectory_groups.is_empty() {
+        return Err(ApiError::invalid_param(
+            "trajectory_groups",
+            "no trajectory groups to train on",
+        ));
+    }
+    let (id, job) = state
+        .jobs
+        .create(
+            &request.model_id,
+            &model.dir,
+            model.step.load(Ordering::SeqCst),
+        )
+        .map_err(|e| ApiError::internal(format!("cannot record the training job: {e}")))?;
+    let span = step_span(&request.model_id, request.trajectory_groups.len());
+    tokio::task::spawn_blocking(move || {
+        // One optimizer step per job: ART counts `num_sequences` gradient steps.
+        let started = || {
+            job.push(
+                JobEventKind::TrainingStarted,
+                object(json!({"num_sequences": 1})),
+            )
+        };
+        let mut announced = false;
+        let outcome = run_step(&model, &request.trajectory_groups, &config, span, |_| {
+            if !announced {
+                started();
+                announced = true;
+            }
+        });
+        match outcome {
+            Ok(result) => {
+                let metrics = result
+                    .metrics
+                    .history_metrics()
+                    .into_iter()
+                    .map(|(name, value)| (name, json!(value)))
+                    .collect();
+                job.push(JobEventKind::GradientStep, metrics);
+                job.push(
+                    JobEventKind::TrainingEnded,
+                    object(json!({"step": result.step})),
+                );
+            }
+            Err(e) => job.push(
+                JobEventKind::TrainingFailed,
+                object(json!({"error_message": e.to_string()})),
+            ),
+        }
+    });
+    Ok(ApiJson(TrainingJob { id }))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct EventsQuery {
+    after: Option<String>,
+    limit: Option<usize>,
+}
+
+pub async fn job_events(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(query): Query<EventsQuery>,
+) -> Result<ApiJson<CursorPage<TrainingJobEvent>>, ApiError> {
+    let job = state
+        .jobs
+        .get(&id)
+        .ok_or_else(|| ApiError::not_found(format!("no training job `{id}`")))?;
+    let after = match query.after.as_deref() {
+        None | Some("") => None,
+        Some(after) => Some(after.parse::<usize>().map_err(|_| {
+            ApiError::invalid_param("after", format!("`{after}` is not an event id of this job"))
+        })?),
+    };
+    let (data, has_more) = job.events(after, query.limit.unwrap_or(PAGE_LIMIT).max(1));
+    Ok(ApiJson(CursorPage { data, has_more }))
+}
+
+/// The training settings an `experimental_config` asks for, over the server's defaults; a
+/// setting this server does not implement is a 400 naming it.
+fn train_config_of(config: &ExperimentalConfig) -> Result<TrainConfig, ApiError> {
+    config.train_config(&TrainConfig::default()).map_err(|e| {
+        ApiError::invalid_param(&format!("experimental_config.{}", e.field), e.to_string())
+    })
+}

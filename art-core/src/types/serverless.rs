@@ -1,0 +1,259 @@
+//! The wire format of OpenPipe ART's `ServerlessBackend` (openpipe-art 0.5.23, `art/serverless/`),
+//! which `art serve` answers under `/v1/preview/...` so that unmodified Python ART code can train
+//! on this backend. Field names and defaults are the Python client's.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::{ImportanceSamplingLevel, LossFn, TrainConfig, TrajectoryGroup};
+
+/// `POST /v1/preview/models`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PreviewModelRequest {
+    /// W&B's team or user; the server answers with a default when the client sends none.
+    #[serde(default)]
+    pub entity: Option<String>,
+    pub project: Option<String>,
+    /// The model's storage name (ART's `run_name` of a `TrainableModel`).
+    pub name: Option<String>,
+    pub base_model: String,
+    /// Return the model when it is registered already (otherwise that is a 409).
+    #[serde(default)]
+    pub return_existing: bool,
+}
+
+/// A registered model as the client sees it. `id` is what later calls name it by.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PreviewModel {
+    pub id: String,
+    pub entity: String,
+    pub project: String,
+    pub name: String,
+    pub base_model: String,
+    /// A W&B run; there is none here.
+    pub run_id: Option<String>,
+}
+
+/// One checkpoint in `GET /v1/preview/models/{id}/checkpoints`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PreviewCheckpoint {
+    pub id: String,
+    pub step: u64,
+    pub metrics: std::collections::BTreeMap<String, f64>,
+}
+
+/// A page of a list, as OpenAI's `AsyncCursorPage` reads it: the next page starts `after` the
+/// last item's id while `has_more`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CursorPage<T> {
+    pub data: Vec<T>,
+    pub has_more: bool,
+}
+
+/// `DELETE /v1/preview/models/{id}/checkpoints`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeleteStepsRequest {
+    pub steps: Vec<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeleteStepsResponse {
+    pub deleted_count: usize,
+    pub not_found_steps: Vec<u64>,
+}
+
+/// `POST /v1/preview/training-jobs`: one training step, run as a job whose events are polled.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainingJobRequest {
+    pub model_id: String,
+    pub trajectory_groups: Vec<TrajectoryGroup>,
+    #[serde(default)]
+    pub experimental_config: Option<ExperimentalConfig>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainingJob {
+    pub id: String,
+}
+
+/// What happened in a training job, in order: `training_started` (`num_sequences`: the gradient
+/// steps the job takes), `gradient_step` (the step's metrics, all numbers), then
+/// `training_ended`, or `training_failed` (`error_message`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainingJobEvent {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: JobEventKind,
+    pub data: Map<String, Value>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobEventKind {
+    TrainingStarted,
+    GradientStep,
+    TrainingEnded,
+    TrainingFailed,
+}
+
+impl JobEventKind {
+    /// Whether the job is over after this event.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            JobEventKind::TrainingEnded | JobEventKind::TrainingFailed
+        )
+    }
+}
+
+/// ART's loss settings as `ServerlessBackend.train` sends them (every field, null when unset).
+/// [`ExperimentalConfig::train_config`] maps them onto a [`TrainConfig`]; a setting this server
+/// does not implement is refused when it asks for anything but ART's default.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ExperimentalConfig {
+    pub learning_rate: Option<f64>,
+    pub loss_fn: Option<LossFn>,
+    /// The older spelling of `loss_fn: "ppo"`.
+    pub ppo: Option<bool>,
+    pub epsilon: Option<f64>,
+    pub epsilon_high: Option<f64>,
+    pub importance_sampling_level: Option<ImportanceSamplingLevel>,
+    pub scale_rewards: Option<bool>,
+    /// The older spelling of `scale_rewards`.
+    pub normalize_advantages: Option<bool>,
+    pub allow_training_without_logprobs: Option<bool>,
+    pub packed_sequence_length: Option<usize>,
+    pub logprob_calculation_chunk_size: Option<usize>,
+    pub kl_penalty_coef: Option<f64>,
+    pub kl_penalty_source: Option<String>,
+    pub kl_penalty_reference_step: Option<u64>,
+    pub kl_penalty_step_lag: Option<u64>,
+    pub kl_ref_adapter_path: Option<String>,
+    pub advantage_balance: Option<f64>,
+    pub mask_prob_ratio: Option<bool>,
+    pub max_negative_advantage_importance_sampling_weight: Option<f64>,
+    pub kimi_k2_tau: Option<f64>,
+    pub num_trajectories_learning_rate_multiplier_power: Option<f64>,
+    pub plot_tensors: Option<bool>,
+    pub precalculate_logprobs: Option<bool>,
+    pub scale_learning_rate_by_reward_std_dev: Option<bool>,
+    pub truncated_importance_sampling: Option<f64>,
+    /// Fields of newer clients: refused unless null.
+    #[serde(flatten)]
+    pub other: Map<String, Value>,
+}
+
+/// An `experimental_config` field set to something this server does not do.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("experimental_config.{field} = {value}: {reason}")]
+pub struct UnsupportedSetting {
+    pub field: String,
+    pub value: String,
+    pub reason: String,
+}
+
+impl ExperimentalConfig {
+    /// The training settings these fields ask for, starting from `base` (the server's defaults
+    /// for everything ART does not set). Null means ART's default.
+    pub fn train_config(&self, base: &TrainConfig) -> Result<TrainConfig, UnsupportedSetting> {
+        let refuse = |field: &str, value: &dyn std::fmt::Display, reason: &str| {
+            Err(UnsupportedSetting {
+                field: field.to_string(),
+                value: value.to_string(),
+                reason: reason.to_string(),
+            })
+        };
+        let not_yet = "not supported by this server yet; leave it at ART's default";
+        // Settings without an implementation here, accepted at ART's default only.
+        let zero = |x: Option<f64>| x.is_none_or(|x| x == 0.0);
+        let off = |x: Option<bool>| x.is_none_or(|x| !x);
+        for (field, default) in [
+            ("advantage_balance", zero(self.advantage_balance)),
+            ("kl_penalty_coef", zero(self.kl_penalty_coef)),
+            (
+                "num_trajectories_learning_rate_multiplier_power",
+                zero(self.num_trajectories_learning_rate_multiplier_power),
+            ),
+            ("mask_prob_ratio", off(self.mask_prob_ratio)),
+            ("plot_tensors", off(self.plot_tensors)),
+            ("precalculate_logprobs", off(self.precalculate_logprobs)),
+            (
+                "scale_learning_rate_by_reward_std_dev",
+                off(self.scale_learning_rate_by_reward_std_dev),
+            ),
+            (
+                "max_negative_advantage_importance_sampling_weight",
+                self.max_negative_advantage_importance_sampling_weight
+                    .is_none(),
+            ),
+            ("kimi_k2_tau", self.kimi_k2_tau.is_none()),
+            (
+                "truncated_importance_sampling",
+                self.truncated_importance_sampling.is_none(),
+            ),
+        ] {
+            if !default {
+                let value = serde_json::to_value(self).expect("config serializes")[field].clone();
+                return refuse(field, &value, not_yet);
+            }
+        }
+        if let Some((field, value)) = self.other.iter().find(|(_, v)| !v.is_null()) {
+            return refuse(field, value, "unknown to this server");
+        }
+        // The KL reference fields only matter with a KL penalty, refused above.
+
+        let mut config = base.clone();
+        let loss_fn = match (self.loss_fn, self.ppo) {
+            (Some(loss_fn), Some(ppo)) if ppo != (loss_fn == LossFn::Ppo) => {
+                return refuse(
+                    "ppo",
+                    &ppo,
+                    "contradicts loss_fn; set one of them (loss_fn is the current name)",
+                );
+            }
+            (Some(loss_fn), _) => loss_fn,
+            (None, Some(true)) => LossFn::Ppo,
+            // ART's default since 0.5.
+            (None, _) => LossFn::Cispo,
+        };
+        config.loss_fn = loss_fn;
+        // ART's epsilons: PPO's trust region is 0.2 wide on both sides, CISPO's weights are
+        // clipped to [0, 5].
+        let (epsilon, epsilon_high) = match loss_fn {
+            LossFn::Ppo => (0.2, None),
+            LossFn::Cispo => (1.0, Some(4.0)),
+        };
+        config.epsilon = self.epsilon.unwrap_or(epsilon);
+        // As ART's loss reads them: PPO's upper clip defaults to `epsilon`, CISPO's to 4.0.
+        config.epsilon_high = self.epsilon_high.or(epsilon_high);
+        if let Some(rate) = self.learning_rate {
+            config.learning_rate = rate;
+        }
+        if let Some(level) = self.importance_sampling_level {
+            config.importance_sampling_level = level;
+        }
+        config.scale_rewards = match (self.scale_rewards, self.normalize_advantages) {
+            (Some(a), Some(b)) if a != b => {
+                return refuse(
+                    "normalize_advantages",
+                    &b,
+                    "contradicts scale_rewards; they are two names of one setting",
+                );
+            }
+            (Some(scale), _) | (None, Some(scale)) => scale,
+            (None, None) => true,
+        };
+        if let Some(allow) = self.allow_training_without_logprobs {
+            config.allow_training_without_logprobs = allow;
+        }
+        // ART packs sequences into rows of this many tokens; a micro-batch here holds as many
+        // tokens (padding included).
+        if let Some(tokens) = self.packed_sequence_length {
+            config.micro_batch_tokens = tokens;
+        }
+        // `logprob_calculation_chunk_size` bounds the memory of ART's logprob computation and
+        // changes no number; the fused head here never holds whole-vocabulary logits anyway.
+        Ok(config)
+    }
+}
