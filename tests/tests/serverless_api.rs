@@ -192,6 +192,40 @@ async fn python_arts_serverless_api_registers_trains_and_lists() {
     let (status, _) = client.sample(&format!("{name}:step1")).await;
     assert_eq!(status, 200);
 
+    // The step's PEFT adapter, downloadable through our own API (W&B's artifacts are not here).
+    let files = "/art/models/run/checkpoints/1/files";
+    let (status, config) = client.get(&format!("{files}/adapter_config.json")).await;
+    assert_eq!(
+        (status, &config["peft_type"]),
+        (200, &json!("LORA")),
+        "{config}"
+    );
+    let weights = client
+        .http
+        .get(format!("{}{files}/adapter_model.safetensors", client.base))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let header_len = u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&weights[8..8 + header_len]).unwrap();
+    assert!(
+        header
+            .as_object()
+            .unwrap()
+            .keys()
+            .any(|k| k.contains("lora_A")),
+        "{header}"
+    );
+    for missing in [
+        format!("{files}/trainer_state.json"),
+        "/art/models/run/checkpoints/9/files/adapter_config.json".into(),
+    ] {
+        assert_eq!(client.get(&missing).await.0, 404, "{missing}");
+    }
+
     // A batch the trainer refuses (a choice without logprobs) ends its job as failed.
     let mut broken = groups.clone();
     broken[0]["trajectories"][0]["messages_and_choices"][1]["logprobs"] = Value::Null;

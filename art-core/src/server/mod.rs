@@ -140,6 +140,10 @@ pub fn router(state: AppState) -> Router {
         .route("/art/models/{name}/train", post(training::train))
         .route("/art/models/{name}/checkpoints", get(training::checkpoints))
         .route(
+            "/art/models/{name}/checkpoints/{step}/files/{file}",
+            get(training::checkpoint_file),
+        )
+        .route(
             "/art/models/{name}/checkpoints/delete",
             post(training::delete_checkpoints),
         )

@@ -181,6 +181,41 @@ pub async fn checkpoints(
     Ok(ApiJson(CheckpointList { data }))
 }
 
+/// The files of a checkpoint that make up its PEFT adapter (what `peft.PeftModel.from_pretrained`
+/// loads); the trainer's own state beside them is not served.
+const PEFT_FILES: [&str; 2] = ["adapter_config.json", "adapter_model.safetensors"];
+
+/// `GET /v1/art/models/{name}/checkpoints/{step}/files/{file}`: one PEFT file of a checkpoint,
+/// so that a trained adapter can be taken elsewhere (without W&B's artifact store).
+pub async fn checkpoint_file(
+    State(state): State<AppState>,
+    Path((name, step, file)): Path<(String, u64, String)>,
+) -> Result<Response, ApiError> {
+    let model = state.registered_or_404(&name)?;
+    if !PEFT_FILES.contains(&file.as_str()) {
+        return Err(ApiError::not_found(format!(
+            "a checkpoint serves {}, not `{file}`",
+            PEFT_FILES.join(" and ")
+        )));
+    }
+    if !list_checkpoints(&model.dir).contains(&step) {
+        return Err(ApiError::not_found(format!(
+            "`{name}` has no checkpoint of step {step} (it has {:?})",
+            list_checkpoints(&model.dir)
+        )));
+    }
+    let path = crate::train::checkpoint_dir(&model.dir, step).join(&file);
+    let bytes = tokio::fs::read(&path)
+        .await
+        .map_err(|e| ApiError::internal(format!("cannot read {}: {e}", path.display())))?;
+    let kind = if file.ends_with(".json") {
+        "application/json"
+    } else {
+        "application/octet-stream"
+    };
+    Ok(([(CONTENT_TYPE, kind)], bytes).into_response())
+}
+
 pub async fn delete_checkpoints(
     State(state): State<AppState>,
     Path(name): Path<String>,
