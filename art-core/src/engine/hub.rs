@@ -40,6 +40,17 @@ pub fn repo_folder(repo_id: &str) -> String {
     format!("models--{}", repo_id.replace('/', "--"))
 }
 
+/// The repository id of a path inside the cache (`.../models--org--name/snapshots/<commit>`):
+/// the name a model loaded from there has on the hub.
+pub fn repo_id_of(path: &Path) -> Option<String> {
+    path.components().rev().find_map(|part| {
+        let folder = part.as_os_str().to_str()?.strip_prefix("models--")?;
+        // The hub forbids `--` in names, so the first one separates the owner.
+        let (org, name) = folder.split_once("--")?;
+        Some(format!("{org}/{name}"))
+    })
+}
+
 /// The snapshot directory of `repo_id` at `revision` (a branch or tag name resolved through
 /// `refs/`, or a full commit hash) inside `cache_dir`.
 pub fn snapshot_dir(cache_dir: &Path, repo_id: &str, revision: &str) -> Result<PathBuf> {
@@ -78,4 +89,23 @@ pub fn snapshot_dir(cache_dir: &Path, repo_id: &str, revision: &str) -> Result<P
         });
     }
     Ok(snapshot)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_path_names_its_repository() {
+        let path = Path::new("/c/hub/models--Qwen--Qwen2.5-0.5B-Instruct/snapshots/abc123");
+        assert_eq!(
+            repo_id_of(path).as_deref(),
+            Some("Qwen/Qwen2.5-0.5B-Instruct")
+        );
+        assert_eq!(
+            repo_folder("Qwen/Qwen2.5-0.5B-Instruct"),
+            "models--Qwen--Qwen2.5-0.5B-Instruct"
+        );
+        assert_eq!(repo_id_of(Path::new("models/SmolLM2.gguf")), None);
+    }
 }

@@ -118,7 +118,11 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
         batcher: Batcher::start(engine.clone(), options.max_batch, options.max_queue),
         engine,
         template,
+        // The path it was loaded from, its hub id when it came from the hub cache, and --alias.
         aliases: std::iter::once(options.model.clone())
+            .chain(crate::engine::hub::repo_id_of(std::path::Path::new(
+                &options.model,
+            )))
             .chain(options.aliases.iter().cloned())
             .collect(),
         base_model,
