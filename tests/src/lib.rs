@@ -60,6 +60,33 @@ pub fn art_binary() -> PathBuf {
         })
 }
 
+/// Runs `scripts/<script>` with `python` and `args`; it must exit 0 and print `"ok": true` (the
+/// convention of our client checks). Returns its standard output.
+pub async fn python_check(
+    python: impl AsRef<std::ffi::OsStr>,
+    script: &str,
+    args: &[&std::ffi::OsStr],
+) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../scripts")
+        .join(script);
+    let output = tokio::process::Command::new(python)
+        .arg(&script)
+        .args(args)
+        .output()
+        .await
+        .expect("python runs");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "{} failed:\n{stdout}\n{stderr}",
+        script.display()
+    );
+    assert!(stdout.contains("\"ok\": true"), "{stdout}");
+    stdout
+}
+
 /// The real default model, if `scripts/fetch-models.sh` has fetched it.
 pub fn smollm2() -> Option<PathBuf> {
     let dir = std::env::var_os("ART_MODELS_DIR")

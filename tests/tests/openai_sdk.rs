@@ -1,7 +1,7 @@
 //! Our server against the official `openai` Python SDK as the client (scripts/openai_sdk_check.py).
 //! Needs ART_TEST_PYTHON pointing at an interpreter with `openai` (scripts/setup-python.sh makes one).
 
-use art_e2e::TestServer;
+use art_e2e::{python_check, TestServer};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_official_python_sdk_works_against_our_server() {
@@ -10,20 +10,14 @@ async fn the_official_python_sdk_works_against_our_server() {
         return;
     };
     let server = TestServer::tiny(|o| o.api_key = Some("sk-test".into())).await;
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../scripts/openai_sdk_check.py"
-    );
-    let output = tokio::process::Command::new(python)
-        .args([script, &server.base_url, &server.model, "sk-test"])
-        .output()
-        .await
-        .expect("python runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "the SDK check failed:\n{stdout}\n{stderr}"
-    );
-    assert!(stdout.contains("\"ok\": true"), "{stdout}");
+    python_check(
+        python,
+        "openai_sdk_check.py",
+        &[
+            server.base_url.as_ref(),
+            server.model.as_ref(),
+            "sk-test".as_ref(),
+        ],
+    )
+    .await;
 }

@@ -3,7 +3,7 @@
 //! and restarts it), registers, samples, trains two steps, logs, deletes, and checks the bad
 //! paths. About 20 s on two cores.
 
-use art_e2e::smollm2;
+use art_e2e::{python_check, smollm2};
 
 #[tokio::test(flavor = "multi_thread")]
 #[ignore = "needs ART_TEST_ART_PYTHON: a Python >= 3.12 with openpipe-art (scripts/test.sh makes .venv-art and runs this with --ignored)"]
@@ -11,23 +11,12 @@ async fn python_art_trains_through_the_serverless_backend_api() {
     let python = std::env::var_os("ART_TEST_ART_PYTHON")
         .expect("set ART_TEST_ART_PYTHON to a Python with openpipe-art (scripts/setup-python.sh .venv-art, as scripts/test.sh does)");
     let model = smollm2().expect("the default model (scripts/fetch-models.sh)");
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../scripts/python_art_check.py"
-    );
-    let output = tokio::process::Command::new(python)
-        .arg(script)
-        .arg(art_e2e::art_binary())
-        .arg(&model)
-        .output()
-        .await
-        .expect("python runs");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "the Python ART check failed:\n{stdout}\n{stderr}"
-    );
-    assert!(stdout.contains("\"ok\": true"), "{stdout}");
+    let binary = art_e2e::art_binary();
+    let stdout = python_check(
+        python,
+        "python_art_check.py",
+        &[binary.as_os_str(), model.as_os_str()],
+    )
+    .await;
     eprintln!("{}", stdout.trim());
 }
