@@ -1005,6 +1005,15 @@ fn a_step_checkpoints_serves_and_reports_progress() {
         Err(TrainError::Config(_))
     ));
     assert_eq!(trainer.step(), 3);
+
+    // A retired trainer (its model deleted) serves nothing and trains nothing.
+    trainer.retire();
+    assert!(engine.adapter("m").is_none() && engine.adapter("m@3").is_none());
+    assert!(matches!(
+        trainer.train(&groups, &config, |_| {}),
+        Err(TrainError::Retired(_))
+    ));
+    assert_eq!(list_checkpoints(&model_dir), vec![1, 2, 3]);
 }
 
 #[test]

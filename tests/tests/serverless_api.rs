@@ -177,7 +177,7 @@ async fn python_arts_serverless_api_registers_trains_and_lists() {
         kinds(&events),
         ["training_started", "gradient_step", "training_ended"]
     );
-    assert_eq!(events[0]["data"], json!({"num_sequences": 1}));
+    assert_eq!(events[0]["data"], json!({"num_sequences": 1, "step": 1}));
     assert!(events[1]["data"]
         .as_object()
         .unwrap()

@@ -18,14 +18,13 @@ use serde_json::{json, Map, Value};
 use crate::train::list_checkpoints;
 use crate::types::{JobEventKind, TrainingJobEvent};
 
-/// The first line of a job's file: what recovery needs to tell how the job ended.
+/// The first line of a job's file: what recovery needs to tell how the job ended (with the
+/// `step` its `training_started` event names: the step it computes).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct JobHeader {
     model_id: String,
     /// The model's directory, where the job's checkpoint appears when it completes.
     model_dir: PathBuf,
-    /// The model's step when the job was created; the job's checkpoint is the next one.
-    step_before: u64,
 }
 
 /// One job's events, in order. Event ids are their positions, from "1".
@@ -95,14 +94,9 @@ impl Jobs {
         jobs
     }
 
-    /// A new job of `model_id`, at `step_before`. Its id is unique across restarts (the
-    /// creation time, then a counter).
-    pub fn create(
-        &self,
-        model_id: &str,
-        model_dir: &Path,
-        step_before: u64,
-    ) -> std::io::Result<(String, Arc<Job>)> {
+    /// A new job of `model_id`. Its id is unique across restarts (the creation time, then a
+    /// counter).
+    pub fn create(&self, model_id: &str, model_dir: &Path) -> std::io::Result<(String, Arc<Job>)> {
         let millis = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis());
@@ -118,7 +112,6 @@ impl Jobs {
         let header = JobHeader {
             model_id: model_id.to_string(),
             model_dir: model_dir.to_path_buf(),
-            step_before,
         };
         let mut line = serde_json::to_vec(&header).expect("job header serializes");
         line.push(b'\n');
@@ -158,8 +151,9 @@ impl Jobs {
     }
 
     /// Reads a job of an earlier run back. One that had not ended then never will: it is
-    /// closed (in its file too), as ended when its checkpoint (the step after the one it started
-    /// from) exists and as failed otherwise.
+    /// closed (in its file too), as ended when it had started and the checkpoint of the step it
+    /// computed exists (nothing else could write it: steps of a model hold its trainer, and
+    /// this runs before the server takes new jobs), as failed otherwise.
     fn load(&self, id: &str) -> Option<Job> {
         let text = std::fs::read_to_string(self.path(id)).ok()?;
         let mut lines = text.lines();
@@ -173,18 +167,28 @@ impl Jobs {
             events: Mutex::new(events),
             file: Mutex::new(file),
         };
-        let step = header.step_before + 1;
-        if list_checkpoints(&header.model_dir).contains(&step) {
-            job.push(JobEventKind::TrainingEnded, object(json!({"step": step})));
-        } else {
-            job.push(
-                JobEventKind::TrainingFailed,
-                object(json!({"error_message": format!(
-                    "the server stopped while this job was running, before its checkpoint was \
-                     written; `{}` stays at step {}. Train on the groups again.",
-                    header.model_id, header.step_before
-                )})),
-            );
+        let started = job
+            .events
+            .lock()
+            .expect("job events lock")
+            .iter()
+            .find(|e| e.kind == JobEventKind::TrainingStarted)
+            .and_then(|e| e.data.get("step")?.as_u64());
+        match started {
+            Some(step) if list_checkpoints(&header.model_dir).contains(&step) => {
+                job.push(JobEventKind::TrainingEnded, object(json!({"step": step})));
+            }
+            _ => {
+                let stays = started.map_or(String::new(), |step| format!(" at step {}", step - 1));
+                job.push(
+                    JobEventKind::TrainingFailed,
+                    object(json!({"error_message": format!(
+                        "the server stopped while this job was running, before its checkpoint \
+                         was written; `{}` stays{stays} as it was. Train on the groups again.",
+                        header.model_id
+                    )})),
+                );
+            }
         }
         Some(job)
     }
@@ -210,7 +214,7 @@ mod tests {
     fn events_page_after_an_id_and_stop_at_the_terminal_one() {
         let dir = tempfile::tempdir().unwrap();
         let jobs = Jobs::new(dir.path());
-        let (id, job) = jobs.create("m", dir.path(), 0).unwrap();
+        let (id, job) = jobs.create("m", dir.path()).unwrap();
         job.push(
             JobEventKind::TrainingStarted,
             object(json!({"num_sequences": 1})),
@@ -232,15 +236,17 @@ mod tests {
     fn a_job_left_running_by_a_killed_server_reads_as_failed_or_ended() {
         let dir = tempfile::tempdir().unwrap();
         let model_dir = dir.path().join("model");
-        let (failed, ended, done) = {
+        let (failed, ended, done, queued) = {
             let jobs = Jobs::new(dir.path());
-            let (failed, job) = jobs.create("m", &model_dir, 3).unwrap();
-            job.push(JobEventKind::TrainingStarted, Map::new());
-            let (ended, job) = jobs.create("m", &model_dir, 4).unwrap();
-            job.push(JobEventKind::TrainingStarted, Map::new());
-            let (done, job) = jobs.create("m", &model_dir, 4).unwrap();
+            let started = |step: u64| object(json!({"num_sequences": 1, "step": step}));
+            let (failed, job) = jobs.create("m", &model_dir).unwrap();
+            job.push(JobEventKind::TrainingStarted, started(4));
+            let (ended, job) = jobs.create("m", &model_dir).unwrap();
+            job.push(JobEventKind::TrainingStarted, started(5));
+            let (done, job) = jobs.create("m", &model_dir).unwrap();
             job.push(JobEventKind::TrainingEnded, object(json!({"step": 5})));
-            (failed, ended, done)
+            let (queued, _) = jobs.create("m", &model_dir).unwrap();
+            (failed, ended, done, queued)
         };
         // The second job's checkpoint (step 5) was written before the server died.
         let checkpoint = crate::train::checkpoint_dir(&model_dir, 5);
@@ -263,6 +269,11 @@ mod tests {
         assert_eq!(
             kinds(&restarted.get(&done).unwrap()),
             [JobEventKind::TrainingEnded]
+        );
+        // A job still waiting for the trainer never started: failed.
+        assert_eq!(
+            kinds(&restarted.get(&queued).unwrap()),
+            [JobEventKind::TrainingFailed]
         );
         // The verdict was written down: a third server reads the same.
         let again = Jobs::new(dir.path());

@@ -3,8 +3,6 @@
 //! and their checkpoints listed and deleted. Everything goes through the same registry, store
 //! and trainers as `/v1/art`; a model's id is its name.
 
-use std::sync::atomic::Ordering;
-
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use serde::Deserialize;
@@ -81,23 +79,19 @@ pub async fn create_model(
 }
 
 /// Forgets the model and deletes its directory (checkpoints, history, logged trajectories),
-/// after any step it is running.
+/// after any step it is running; steps queued behind the deletion fail.
 pub async fn delete_model(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let model = state.registered_or_404(&id)?;
-    let engine = state.engine.clone();
     let unregistered = state.clone();
     tokio::task::spawn_blocking(move || {
-        let trainer = model
+        let mut trainer = model
             .trainer
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        for adapter in trainer.served_adapters() {
-            engine.remove_adapter(adapter);
-        }
-        engine.remove_adapter(trainer.name());
+        trainer.retire();
         unregistered
             .registry
             .lock()
@@ -263,25 +257,17 @@ pub async fn create_training_job(
     }
     let (id, job) = state
         .jobs
-        .create(
-            &request.model_id,
-            &model.dir,
-            model.step.load(Ordering::SeqCst),
-        )
+        .create(&request.model_id, &model.dir)
         .map_err(|e| ApiError::internal(format!("cannot record the training job: {e}")))?;
     let span = step_span(&request.model_id, request.trajectory_groups.len());
     tokio::task::spawn_blocking(move || {
-        // One optimizer step per job: ART counts `num_sequences` gradient steps.
-        let started = || {
-            job.push(
-                JobEventKind::TrainingStarted,
-                object(json!({"num_sequences": 1})),
-            )
-        };
+        // One optimizer step per job: ART counts `num_sequences` gradient steps. `step` is the
+        // step it computes (what a restarted server checks for).
         let mut announced = false;
-        let outcome = run_step(&model, &request.trajectory_groups, &config, span, |_| {
+        let outcome = run_step(&model, &request.trajectory_groups, &config, span, |p| {
             if !announced {
-                started();
+                let data = json!({"num_sequences": 1, "step": p.step});
+                job.push(JobEventKind::TrainingStarted, object(data));
                 announced = true;
             }
         });

@@ -125,6 +125,9 @@ pub enum TrainError {
     #[error("the training step produced a non-finite {what}; lower the learning rate or check the rewards")]
     NonFinite { what: &'static str },
 
+    #[error("the model `{0}` was deleted; register it again to train it")]
+    Retired(String),
+
     #[error(transparent)]
     Engine(#[from] EngineError),
 }
@@ -149,6 +152,7 @@ impl TrainError {
                 | TrainError::SequenceTooLong { .. }
                 | TrainError::ChatTemplate { .. }
                 | TrainError::BadExchange { .. }
+                | TrainError::Retired(_)
                 | TrainError::NonFinite { .. }
         )
     }

@@ -69,6 +69,8 @@ pub struct Trainer {
     /// `name@step` adapters kept registered on the engine (older ones are unregistered).
     served: Vec<String>,
     max_served: usize,
+    /// Set by [`Trainer::retire`]: the model was deleted, nothing more is trained or written.
+    retired: bool,
 }
 
 impl Trainer {
@@ -114,6 +116,7 @@ impl Trainer {
             step,
             served: Vec::new(),
             max_served: 8,
+            retired: false,
         };
         trainer.register()?;
         Ok(trainer)
@@ -188,6 +191,17 @@ impl Trainer {
         Ok((deleted, kept))
     }
 
+    /// Stops serving every adapter of this model and refuses any later step (one queued behind
+    /// the deletion of its model would otherwise write its directory again). The caller deletes
+    /// the files.
+    pub fn retire(&mut self) {
+        for name in self.served.drain(..) {
+            self.engine.remove_adapter(&name);
+        }
+        self.engine.remove_adapter(&self.name);
+        self.retired = true;
+    }
+
     /// Registers a snapshot of the current adapter as `name@step` and `name`.
     fn register(&mut self) -> Result<()> {
         let snapshot = Arc::new(self.adapter.snapshot()?);
@@ -246,6 +260,9 @@ impl Trainer {
         config: &TrainConfig,
         mut on_progress: impl FnMut(TrainProgress),
     ) -> Result<StepResult> {
+        if self.retired {
+            return Err(TrainError::Retired(self.name.clone()));
+        }
         config.validate()?;
         let started = Instant::now();
         let mut tokenization = Tokenization::new(&self.engine, self.template.clone());
