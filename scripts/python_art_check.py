@@ -168,7 +168,9 @@ async def checks(server: Server, work: str, report: dict) -> None:
     report["legacy_step_metrics"] = {k: v for k, v in result.metrics.items() if "loss" in k}
 
     captured = await captured_group(client, name)
-    result = await backend.train(model, [captured], learning_rate=1e-5, loss_fn="ppo")
+    # PPO, and ART's KL-penalised advantages against the step-1 checkpoint.
+    result = await backend.train(model, [captured], learning_rate=1e-5, loss_fn="ppo",
+                                 kl_penalty_coef=0.05, kl_penalty_reference_step=1)
     assert result.step == 2 and await model.get_step() == 2, result
 
     await model.log([captured], split="train")
@@ -179,7 +181,7 @@ async def checks(server: Server, work: str, report: dict) -> None:
 
     # Bad paths of a registered model: an unsupported setting, an unknown step.
     await expect(openai.BadRequestError,
-                 lambda: backend.train(model, [captured], kimi_k2_tau=0.5), "kimi_k2_tau")
+                 lambda: backend.train(model, [captured], plot_tensors=True), "plot_tensors")
     await expect(openai.NotFoundError, lambda: sample(client, f"{name}:step9"), "step9")
 
     assert await steps_listed(backend, model) == [1, 2]

@@ -287,8 +287,16 @@ fn train_step(
     };
     let norm = Normalization::for_step(seqs, &config);
     let members: Vec<&TrainSequence> = seqs.iter().collect();
-    let mut out = micro_batch_loss(engine.model(), Some(adapter), &members, norm, &config, true)
-        .expect("loss");
+    let mut out = micro_batch_loss(
+        engine.model(),
+        Some(adapter),
+        None,
+        &members,
+        norm,
+        &config,
+        true,
+    )
+    .expect("loss");
     let loss = out
         .loss
         .to_dtype(DType::F64)
@@ -398,6 +406,7 @@ fn profile(args: &Args, device: &Device) {
             let no_grad = micro_batch_loss(
                 engine.model(),
                 Some(&adapter),
+                None,
                 &members,
                 norm,
                 &train_config,
@@ -410,6 +419,7 @@ fn profile(args: &Args, device: &Device) {
             let mut out = micro_batch_loss(
                 engine.model(),
                 Some(&adapter),
+                None,
                 &members,
                 norm,
                 &train_config,

@@ -3,13 +3,13 @@
 //! trained model's after.
 //!
 //! scripts/main-job.sh [--steps N] [--groups N] [--group-size N] [--learning-rate X]
-//!     [--temperature T] [--eval N]
+//!     [--loss ppo|cispo] [--temperature T] [--eval N]
 
 use std::time::Instant;
 
 use art_core::{
-    gather_trajectory_groups, plots, GatherOptions, LocalBackend, LocalBackendOptions, Message,
-    Split, TrainConfig, TrainableModel, TrajectoryGroup,
+    gather_trajectory_groups, plots, GatherOptions, LocalBackend, LocalBackendOptions, LossFn,
+    Message, Split, TrainConfig, TrainableModel, TrajectoryGroup,
 };
 
 #[path = "common/arithmetic.rs"]
@@ -19,17 +19,45 @@ use arithmetic::{rollout, scenarios, Sum};
 /// Both numbers of a sum are below this.
 const NUMBERS_BELOW: u32 = 20;
 
-/// Mean greedy reward on held-out scenarios, logged to the model's history.
-async fn evaluate(model: &TrainableModel, held_out: &[Sum]) -> anyhow::Result<f64> {
+/// How the model does on the held-out sums (greedy answers).
+struct Evaluation {
+    reward: f64,
+    /// Answers that are the right number and nothing else.
+    exact: usize,
+    count: usize,
+}
+
+impl std::fmt::Display for Evaluation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "reward {:.3}, exact answers {}/{}",
+            self.reward, self.exact, self.count
+        )
+    }
+}
+
+/// Greedy answers on held-out scenarios, logged to the model's history.
+async fn evaluate(model: &TrainableModel, held_out: &[Sum]) -> anyhow::Result<Evaluation> {
     let groups = held_out
         .iter()
         .map(|&sum| TrajectoryGroup::from_rollouts([rollout(model, sum, 0.0, 0)]));
     let groups = gather_trajectory_groups(groups, GatherOptions::new().description("eval")).await?;
     // Logged as the `val` split at the model's current step: the reward chart's val points.
     let logged = model.log(&groups, Split::Val).await?;
-    logged
+    let reward = logged
         .get("reward")
-        .ok_or_else(|| anyhow::anyhow!("the backend logged no reward"))
+        .ok_or_else(|| anyhow::anyhow!("the backend logged no reward"))?;
+    let exact = groups
+        .iter()
+        .flat_map(|g| &g.trajectories)
+        .filter(|t| t.reward == 1.0)
+        .count();
+    Ok(Evaluation {
+        reward,
+        exact,
+        count: held_out.len(),
+    })
 }
 
 /// A group's replies with their rewards, to see what the model does.
@@ -54,6 +82,7 @@ struct Settings {
     groups: usize,
     group_size: usize,
     learning_rate: f64,
+    loss_fn: LossFn,
     temperature: f64,
     eval: usize,
 }
@@ -65,6 +94,7 @@ impl Settings {
             groups: 4,
             group_size: 8,
             learning_rate: 5e-4,
+            loss_fn: LossFn::Ppo,
             temperature: 1.0,
             eval: 32,
         };
@@ -78,10 +108,14 @@ impl Settings {
                 "--groups" => settings.groups = value.parse()?,
                 "--group-size" => settings.group_size = value.parse()?,
                 "--learning-rate" => settings.learning_rate = value.parse()?,
+                "--loss" => {
+                    settings.loss_fn = serde_json::from_value(serde_json::json!(value))
+                        .map_err(|_| anyhow::anyhow!("--loss is `ppo` or `cispo`, not `{value}`"))?
+                }
                 "--temperature" => settings.temperature = value.parse()?,
                 "--eval" => settings.eval = value.parse()?,
                 other => anyhow::bail!(
-                    "unknown option `{other}` (use --steps, --groups, --group-size, --learning-rate, --temperature, --eval)"
+                    "unknown option `{other}` (use --steps, --groups, --group-size, --learning-rate, --loss, --temperature, --eval)"
                 ),
             }
         }
@@ -106,13 +140,11 @@ async fn main() -> anyhow::Result<()> {
 
     let held_out = scenarios(2, settings.eval, NUMBERS_BELOW);
     let base = evaluate(&model, &held_out).await?;
-    println!(
-        "held-out reward of the base model: {base:.3} over {} sums",
-        held_out.len()
-    );
+    println!("held-out sums, base model: {base}");
 
     let config = TrainConfig {
         learning_rate: settings.learning_rate,
+        loss_fn: settings.loss_fn,
         ..Default::default()
     };
     println!(
@@ -154,8 +186,14 @@ async fn main() -> anyhow::Result<()> {
 
     let trained = evaluate(&model, &held_out).await?;
     println!(
-        "held-out reward: base {base:.3} -> trained {trained:.3} ({:+.3}) after {} steps, {:.0} s in all",
-        trained - base,
+        "held-out reward: base {:.3} -> trained {:.3} ({:+.3}); exact answers {}/{} -> {}/{}; after {} steps, {:.0} s in all",
+        base.reward,
+        trained.reward,
+        trained.reward - base.reward,
+        base.exact,
+        base.count,
+        trained.exact,
+        trained.count,
         settings.steps,
         started.elapsed().as_secs_f64()
     );

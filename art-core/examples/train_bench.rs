@@ -224,6 +224,7 @@ fn main() {
             let mut out = micro_batch_loss(
                 engine.model(),
                 Some(&adapter),
+                None,
                 &members,
                 norm,
                 &train_config,

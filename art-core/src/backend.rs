@@ -457,7 +457,7 @@ impl TrainableModel {
                 })?;
                 match event {
                     TrainEvent::Progress(progress) => on_progress(&progress),
-                    TrainEvent::Result(result) => return Ok(result),
+                    TrainEvent::Result(result) => return Ok(*result),
                     TrainEvent::Error { message } => {
                         return Err(BackendError::TrainFailed(message))
                     }

@@ -20,9 +20,9 @@ use art_core::train::{
 };
 use art_core::types::{
     AssistantMessage, Choice, ChoiceLogprobs, Content, FunctionCall, FunctionDefinition,
-    ImportanceSamplingLevel, LoraConfig, LossFn, Message, MessageOrChoice, SystemMessage,
-    TokenLogprob, Tool, ToolCall, ToolMessage, TrainConfig, Trajectory, TrajectoryGroup,
-    UserMessage,
+    ImportanceSamplingLevel, KlPenaltySource, LoraConfig, LossFn, Message, MessageOrChoice,
+    SystemMessage, TokenLogprob, Tool, ToolCall, ToolMessage, TrainConfig, Trajectory,
+    TrajectoryGroup, UserMessage,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -569,6 +569,21 @@ fn lora_gradients_match_finite_differences() {
             importance_sampling_level: ImportanceSamplingLevel::Average,
             ..Default::default()
         },
+        // ART's advantage shaping (by constants: the sampler's and the base model's logprobs)
+        // and its ratio masking.
+        TrainConfig {
+            advantage_balance: 0.5,
+            kl_penalty_coef: 0.3,
+            kl_penalty_source: KlPenaltySource::Sample,
+            mask_prob_ratio: true,
+            ..Default::default()
+        },
+        TrainConfig {
+            importance_sampling_level: ImportanceSamplingLevel::GeometricAverage,
+            max_negative_advantage_importance_sampling_weight: Some(1.1),
+            beta: 0.2,
+            ..Default::default()
+        },
     ];
     // Each configuration with the whole graph kept and with gradient checkpointing (the layers'
     // backward rebuilt one at a time): both must match finite differences, and each other.
@@ -581,8 +596,16 @@ fn lora_gradients_match_finite_differences() {
     });
     for config in &runs.collect::<Vec<_>>() {
         let norm = Normalization::for_step(&sequences, config);
-        let mut out =
-            micro_batch_loss(engine.model(), Some(&adapter), &refs, norm, config, true).unwrap();
+        let mut out = micro_batch_loss(
+            engine.model(),
+            Some(&adapter),
+            None,
+            &refs,
+            norm,
+            config,
+            true,
+        )
+        .unwrap();
         assert!(
             out.clipped_tokens > 0,
             "the fixture should clip some tokens"
@@ -610,11 +633,19 @@ fn lora_gradients_match_finite_differences() {
             kept_grads.push(all);
         }
         let loss_at = || -> f64 {
-            micro_batch_loss(engine.model(), Some(&adapter), &refs, norm, config, false)
-                .unwrap()
-                .loss
-                .to_scalar::<f64>()
-                .unwrap()
+            micro_batch_loss(
+                engine.model(),
+                Some(&adapter),
+                None,
+                &refs,
+                norm,
+                config,
+                false,
+            )
+            .unwrap()
+            .loss
+            .to_scalar::<f64>()
+            .unwrap()
         };
         let mut checked = 0;
         for (name, var) in adapter.named_vars() {
@@ -673,8 +704,16 @@ fn loss_gradients(
 ) -> (Vec<f32>, MicroBatchLoss) {
     let refs: Vec<&TrainSequence> = sequences.iter().collect();
     let norm = Normalization::for_step(sequences, config);
-    let mut out =
-        micro_batch_loss(engine.model(), Some(adapter), &refs, norm, config, true).unwrap();
+    let mut out = micro_batch_loss(
+        engine.model(),
+        Some(adapter),
+        None,
+        &refs,
+        norm,
+        config,
+        true,
+    )
+    .unwrap();
     let grads = out.backward(engine.model(), adapter).unwrap();
     let flat = adapter
         .named_vars()
@@ -701,21 +740,50 @@ fn assert_close(a: &[f32], b: &[f32], what: &str) {
     );
 }
 
+/// `sequences` with each trainable token's sampler logprob moved so that its ratio (against
+/// the trainer's logprob `own`, one per trainable token in batch order) becomes
+/// `ratio(j, own, sampler, advantage)`.
+fn with_ratios(
+    sequences: &[TrainSequence],
+    own: &[f32],
+    ratio: impl Fn(usize, f64, f64, f64) -> f64,
+) -> Vec<TrainSequence> {
+    let mut moved = sequences.to_vec();
+    let mut j = 0;
+    for seq in &mut moved {
+        for i in 1..seq.len() {
+            if seq.trainable[i] {
+                let own = f64::from(own[j]);
+                let r = ratio(j, own, f64::from(seq.sampler_logprobs[i]), seq.advantage);
+                assert!(r > 0.0, "token {j}: ratio {r}");
+                seq.sampler_logprobs[i] = (own - r.ln()) as f32;
+                j += 1;
+            }
+        }
+    }
+    assert_eq!(j, own.len());
+    moved
+}
+
+/// PPO without clipping: its gradient is sum(w * -A * r * grad log p), checked against finite
+/// differences above. Every option whose gradient is that sum with other per-token factors is
+/// checked against it on a batch whose ratios are those factors.
+fn unclipped(loss_fn: LossFn) -> TrainConfig {
+    TrainConfig {
+        loss_fn,
+        epsilon: 100.0,
+        ..Default::default()
+    }
+}
+
 #[test]
 fn cispo_weighs_each_tokens_logprob_by_its_clipped_ratio() {
-    // CISPO's gradient is sum(w * -A * clip(r) * grad log p), PPO's without clipping
-    // sum(w * -A * r * grad log p) (checked against finite differences above). So the two agree
-    // where nothing is clipped, and CISPO's equals unclipped PPO's on a batch whose sampler
-    // logprobs are moved so that each clipped token's ratio becomes its clipped value.
+    // CISPO's gradient is sum(w * -A * clip(r) * grad log p): where nothing is clipped it is
+    // PPO's, and elsewhere unclipped PPO's at the clipped ratios.
     let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F64));
     let adapter = LoraAdapter::new(engine.config(), &lora(4), engine.device(), 3).unwrap();
     randomize_b(&adapter, 11);
     let sequences = loss_fixture(&engine, &adapter);
-    let unclipped = |loss_fn| TrainConfig {
-        loss_fn,
-        epsilon: 100.0,
-        ..Default::default()
-    };
     let (ppo, out) = loss_gradients(&engine, &adapter, &sequences, &unclipped(LossFn::Ppo));
     let (cispo, _) = loss_gradients(&engine, &adapter, &sequences, &unclipped(LossFn::Cispo));
     assert_eq!(out.clipped_tokens, 0);
@@ -731,20 +799,92 @@ fn cispo_weighs_each_tokens_logprob_by_its_clipped_ratio() {
         out.clipped_tokens > 0,
         "the fixture should clip some tokens"
     );
-    // The trainer's logprobs, one per trainable token in batch order, as the loss used them.
-    let mut own = out.trainer_logprobs.iter();
-    let mut moved = sequences.clone();
-    for seq in &mut moved {
-        for i in 1..seq.len() {
-            if seq.trainable[i] {
-                let own = f64::from(*own.next().unwrap());
-                let ratio = (own - f64::from(seq.sampler_logprobs[i])).exp();
-                seq.sampler_logprobs[i] = (own - ratio.clamp(0.8, 1.2).ln()) as f32;
-            }
-        }
-    }
+    let moved = with_ratios(&sequences, &out.trainer_logprobs, |_, own, sampler, _| {
+        (own - sampler).exp().clamp(0.8, 1.2)
+    });
     let (ppo, _) = loss_gradients(&engine, &adapter, &moved, &unclipped(LossFn::Ppo));
     assert_close(&cispo, &ppo, "CISPO vs PPO at the clipped ratios");
+}
+
+#[test]
+fn options_that_reweigh_tokens_by_detached_values_match_their_ppo_equivalents() {
+    // Options whose factors depend on the trainer's own (detached) logprobs cannot be checked
+    // by finite differences (those would move the factors too): each is checked against
+    // unclipped PPO on a batch whose ratios carry the same factors.
+    let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F64));
+    let adapter = LoraAdapter::new(engine.config(), &lora(4), engine.device(), 3).unwrap();
+    randomize_b(&adapter, 11);
+    let sequences = loss_fixture(&engine, &adapter);
+    let (_, plain) = loss_gradients(&engine, &adapter, &sequences, &unclipped(LossFn::Ppo));
+    let own = plain.trainer_logprobs.clone();
+    let refs: Vec<&TrainSequence> = sequences.iter().collect();
+    let norm = Normalization::for_step(&sequences, &TrainConfig::default());
+    let base = micro_batch_loss(
+        engine.model(),
+        None,
+        None,
+        &refs,
+        norm,
+        &TrainConfig::default(),
+        false,
+    )
+    .unwrap()
+    .trainer_logprobs;
+    let check = |config: TrainConfig, ratio: &dyn Fn(usize, f64, f64, f64) -> f64, what: &str| {
+        let (option, _) = loss_gradients(&engine, &adapter, &sequences, &config);
+        let moved = with_ratios(&sequences, &own, ratio);
+        let (ppo, _) = loss_gradients(&engine, &adapter, &moved, &unclipped(LossFn::Ppo));
+        assert_close(&option, &ppo, what);
+    };
+    // The ratio against the trainer's own logprobs is 1; truncated importance sampling then
+    // weighs each token by min(own / sampler probability, 1.1).
+    check(
+        TrainConfig {
+            precalculate_logprobs: true,
+            ..unclipped(LossFn::Ppo)
+        },
+        &|_, _, _, _| 1.0,
+        "precalculated logprobs",
+    );
+    check(
+        TrainConfig {
+            precalculate_logprobs: true,
+            truncated_importance_sampling: Some(1.1),
+            ..unclipped(LossFn::Ppo)
+        },
+        &|_, own, sampler, _| (own - sampler).exp().min(1.1),
+        "truncated importance sampling",
+    );
+    // Advantages reshaped per token: A' = A - tau (own - sampler), and with the KL penalty
+    // A' = A + coef (mean(kl) - kl), kl = own - base. The factor on r is A' / A.
+    let tau = 0.1;
+    check(
+        TrainConfig {
+            kimi_k2_tau: Some(tau),
+            ..unclipped(LossFn::Ppo)
+        },
+        &|_, own, sampler, a| {
+            let d = own - sampler;
+            d.exp() * (a - tau * d) / a
+        },
+        "Kimi K2 tau",
+    );
+    let kl: Vec<f64> = own
+        .iter()
+        .zip(&base)
+        .map(|(&o, &b)| f64::from(o) - f64::from(b))
+        .collect();
+    let mean = kl.iter().sum::<f64>() / kl.len() as f64;
+    let coef = 0.05;
+    check(
+        TrainConfig {
+            kl_penalty_coef: coef,
+            kl_penalty_source: KlPenaltySource::CurrentLearner,
+            ..unclipped(LossFn::Ppo)
+        },
+        &|j, own, sampler, a| (own - sampler).exp() * (a + coef * (mean - kl[j])) / a,
+        "KL penalty from the current learner",
+    );
 }
 
 #[test]
@@ -765,8 +905,16 @@ fn the_loss_is_minus_the_weighted_advantage_at_ratio_one() {
     let config = TrainConfig::default();
     let norm = Normalization::for_step(&sequences, &config);
     let refs: Vec<&TrainSequence> = sequences.iter().collect();
-    let out =
-        micro_batch_loss(engine.model(), Some(&adapter), &refs, norm, &config, false).unwrap();
+    let out = micro_batch_loss(
+        engine.model(),
+        Some(&adapter),
+        None,
+        &refs,
+        norm,
+        &config,
+        false,
+    )
+    .unwrap();
     let total: usize = sequences.iter().map(|s| s.num_trainable()).sum();
     let want: f64 = sequences
         .iter()
@@ -792,6 +940,7 @@ fn the_loss_is_minus_the_weighted_advantage_at_ratio_one() {
     let a = micro_batch_loss(
         engine.model(),
         Some(&adapter),
+        None,
         &refs[..1],
         norm,
         &config,
@@ -801,6 +950,7 @@ fn the_loss_is_minus_the_weighted_advantage_at_ratio_one() {
     let b = micro_batch_loss(
         engine.model(),
         Some(&adapter),
+        None,
         &refs[1..],
         norm,
         &config,
@@ -866,6 +1016,7 @@ fn trainer_logprobs_equal_the_samplers() {
     let out = micro_batch_loss(
         engine.model(),
         Some(trainer.adapter()),
+        None,
         &refs,
         norm,
         &config,
@@ -1006,14 +1157,49 @@ fn a_step_checkpoints_serves_and_reports_progress() {
     ));
     assert_eq!(trainer.step(), 3);
 
+    // The KL terms' reference can be an earlier checkpoint: against the current step's own
+    // checkpoint the KL is 0, against an older one it is not; a step without one is refused.
+    let kl_to = |step: u64, trainer: &mut Trainer| {
+        let config = TrainConfig {
+            beta: 0.1,
+            kl_penalty_coef: 0.1,
+            kl_penalty_reference_step: Some(step),
+            ..config.clone()
+        };
+        let metrics = trainer.train(&groups, &config, |_| {}).unwrap().metrics;
+        (metrics.kl.unwrap(), metrics.kl_policy_ref.unwrap())
+    };
+    let (kl, kl_policy_ref) = kl_to(3, &mut trainer);
+    assert!(
+        kl.abs() < 1e-6 && kl_policy_ref.abs() < 1e-5,
+        "{kl} {kl_policy_ref}"
+    );
+    // Moved well away from its checkpoints (a tiny model's steps barely move its logprobs), the
+    // adapter has a KL to step 3 (served) and to step 1 (read back from disk once unserved).
+    randomize_b(trainer.adapter(), 5);
+    assert!(kl_to(3, &mut trainer).0 > 1e-6);
+    engine.remove_adapter("m@1");
+    assert!(kl_to(1, &mut trainer).0 > 1e-6);
+    let unknown = TrainConfig {
+        kl_penalty_coef: 0.1,
+        kl_penalty_reference_step: Some(9),
+        ..config.clone()
+    };
+    let error = trainer.train(&groups, &unknown, |_| {}).unwrap_err();
+    assert!(
+        matches!(error, TrainError::UnknownReference { step: 9, .. }),
+        "{error}"
+    );
+    assert_eq!(trainer.step(), 6);
+
     // A retired trainer (its model deleted) serves nothing and trains nothing.
     trainer.retire();
-    assert!(engine.adapter("m").is_none() && engine.adapter("m@3").is_none());
+    assert!(engine.adapter("m").is_none() && engine.adapter("m@6").is_none());
     assert!(matches!(
         trainer.train(&groups, &config, |_| {}),
         Err(TrainError::Retired(_))
     ));
-    assert_eq!(list_checkpoints(&model_dir), vec![1, 2, 3]);
+    assert_eq!(list_checkpoints(&model_dir), vec![1, 2, 3, 4, 5, 6]);
 }
 
 #[test]

@@ -1,4 +1,4 @@
-use art_core::{ImportanceSamplingLevel, LossFn, TrainConfig};
+use art_core::{ImportanceSamplingLevel, KlPenaltySource, LossFn, TrainConfig};
 
 #[test]
 fn defaults_are_art_defaults_and_valid() {
@@ -82,7 +82,7 @@ fn experimental(patch: serde_json::Value) -> art_core::ExperimentalConfig {
 #[test]
 fn python_arts_default_settings_map_to_cispo_with_its_epsilons() {
     let config = experimental(serde_json::json!({}))
-        .train_config(&TrainConfig::default())
+        .train_config(&TrainConfig::default(), 7)
         .unwrap();
     assert_eq!(config.loss_fn, LossFn::Cispo);
     assert_eq!((config.epsilon, config.epsilon_high()), (1.0, 4.0));
@@ -95,7 +95,7 @@ fn python_arts_default_settings_map_to_cispo_with_its_epsilons() {
         serde_json::json!({"loss_fn": null, "ppo": true}),
     ] {
         let ppo = experimental(patch)
-            .train_config(&TrainConfig::default())
+            .train_config(&TrainConfig::default(), 7)
             .unwrap();
         assert_eq!(ppo.loss_fn, LossFn::Ppo);
         assert_eq!((ppo.epsilon, ppo.epsilon_high()), (0.2, 0.2));
@@ -105,7 +105,7 @@ fn python_arts_default_settings_map_to_cispo_with_its_epsilons() {
         "scale_rewards": false, "normalize_advantages": false, "packed_sequence_length": 2048,
         "learning_rate": 1e-4
     }))
-    .train_config(&TrainConfig::default())
+    .train_config(&TrainConfig::default(), 7)
     .unwrap();
     assert_eq!((custom.epsilon, custom.epsilon_high()), (0.1, 0.3));
     assert_eq!(
@@ -115,27 +115,61 @@ fn python_arts_default_settings_map_to_cispo_with_its_epsilons() {
     assert!(!custom.scale_rewards);
     assert_eq!(custom.micro_batch_tokens, 2048);
     assert_eq!(custom.learning_rate, 1e-4);
+
+    // ART's other loss options, with their names; a KL reference lag counts back from the
+    // model's step (7 here).
+    let art = experimental(serde_json::json!({
+        "advantage_balance": 0.5, "kl_penalty_coef": 0.1, "kl_penalty_source": "sample",
+        "kl_penalty_step_lag": 2, "mask_prob_ratio": true, "kimi_k2_tau": 0.1,
+        "max_negative_advantage_importance_sampling_weight": 3.0,
+        "precalculate_logprobs": true, "truncated_importance_sampling": 2.0
+    }))
+    .train_config(&TrainConfig::default(), 7)
+    .unwrap();
+    assert_eq!(art.advantage_balance, 0.5);
+    assert_eq!(art.kl_penalty_coef, 0.1);
+    assert_eq!(art.kl_penalty_source, KlPenaltySource::Sample);
+    assert_eq!(art.kl_penalty_reference_step, Some(5));
+    assert!(art.mask_prob_ratio && art.precalculate_logprobs);
+    assert_eq!(art.kimi_k2_tau, Some(0.1));
+    assert_eq!(
+        art.max_negative_advantage_importance_sampling_weight,
+        Some(3.0)
+    );
+    assert_eq!(art.truncated_importance_sampling, Some(2.0));
+    art.validate().unwrap();
+    // Truncated importance sampling weighs start-of-step logprobs against the sampler's.
+    let error = TrainConfig {
+        truncated_importance_sampling: Some(2.0),
+        ..Default::default()
+    }
+    .validate()
+    .unwrap_err();
+    assert!(
+        error.to_string().contains("precalculate_logprobs"),
+        "{error}"
+    );
 }
 
 #[test]
 fn settings_this_server_does_not_implement_are_refused_by_name() {
     for (patch, field) in [
-        (serde_json::json!({"kimi_k2_tau": 0.5}), "kimi_k2_tau"),
+        (serde_json::json!({"plot_tensors": true}), "plot_tensors"),
         (
-            serde_json::json!({"kl_penalty_coef": 0.1}),
-            "kl_penalty_coef",
+            serde_json::json!({"scale_learning_rate_by_reward_std_dev": true}),
+            "scale_learning_rate_by_reward_std_dev",
         ),
         (
-            serde_json::json!({"mask_prob_ratio": true}),
-            "mask_prob_ratio",
+            serde_json::json!({"kl_ref_adapter_path": "/some/adapter"}),
+            "kl_ref_adapter_path",
         ),
         (
-            serde_json::json!({"truncated_importance_sampling": 2.0}),
-            "truncated_importance_sampling",
+            serde_json::json!({"kl_penalty_reference_step": 2, "kl_penalty_step_lag": 1}),
+            "kl_penalty_step_lag",
         ),
         (
-            serde_json::json!({"advantage_balance": 0.5}),
-            "advantage_balance",
+            serde_json::json!({"kl_penalty_source": "oracle"}),
+            "kl_penalty_source",
         ),
         (
             serde_json::json!({"a_future_setting": 3}),
@@ -149,13 +183,13 @@ fn settings_this_server_does_not_implement_are_refused_by_name() {
         ),
     ] {
         let error = experimental(patch.clone())
-            .train_config(&TrainConfig::default())
+            .train_config(&TrainConfig::default(), 7)
             .unwrap_err();
         assert_eq!(error.field, field, "{patch}");
         assert!(error.to_string().contains(field), "{error}");
     }
     // Null is the default, also for fields this server does not know.
-    experimental(serde_json::json!({"a_future_setting": null, "kimi_k2_tau": null}))
-        .train_config(&TrainConfig::default())
+    experimental(serde_json::json!({"a_future_setting": null, "plot_tensors": null}))
+        .train_config(&TrainConfig::default(), 7)
         .unwrap();
 }

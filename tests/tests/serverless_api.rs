@@ -156,13 +156,13 @@ async fn python_arts_serverless_api_registers_trains_and_lists() {
         .post(
             "/preview/training-jobs",
             json!({"model_id": "run", "trajectory_groups": groups,
-                   "experimental_config": {"kimi_k2_tau": 0.5}}),
+                   "experimental_config": {"plot_tensors": true}}),
         )
         .await;
     assert_eq!(status, 400);
     assert_eq!(
         error["error"]["param"],
-        json!("experimental_config.kimi_k2_tau")
+        json!("experimental_config.plot_tensors")
     );
     let (status, job) = client
         .post(

@@ -245,7 +245,10 @@ pub async fn create_training_job(
     ApiJson(request): ApiJson<TrainingJobRequest>,
 ) -> Result<ApiJson<TrainingJob>, ApiError> {
     let model = state.registered_or_404(&request.model_id)?;
-    let config = train_config_of(&request.experimental_config.unwrap_or_default())?;
+    let config = train_config_of(
+        &request.experimental_config.unwrap_or_default(),
+        model.step.load(std::sync::atomic::Ordering::SeqCst),
+    )?;
     config
         .validate()
         .map_err(|e| ApiError::invalid_param("experimental_config", e.to_string()))?;
@@ -321,8 +324,10 @@ pub async fn job_events(
 
 /// The training settings an `experimental_config` asks for, over the server's defaults; a
 /// setting this server does not implement is a 400 naming it.
-fn train_config_of(config: &ExperimentalConfig) -> Result<TrainConfig, ApiError> {
-    config.train_config(&TrainConfig::default()).map_err(|e| {
-        ApiError::invalid_param(&format!("experimental_config.{}", e.field), e.to_string())
-    })
+fn train_config_of(config: &ExperimentalConfig, step: u64) -> Result<TrainConfig, ApiError> {
+    config
+        .train_config(&TrainConfig::default(), step)
+        .map_err(|e| {
+            ApiError::invalid_param(&format!("experimental_config.{}", e.field), e.to_string())
+        })
 }

@@ -57,7 +57,7 @@ pub async fn train(
                 let _ = progress.send(Ok(TrainEvent::Progress(p)));
             },
         );
-        let _ = events.send(outcome.map(TrainEvent::Result));
+        let _ = events.send(outcome.map(|result| TrainEvent::Result(Box::new(result))));
     });
 
     // The trainer reports once the batch is prepared (or fails to be): a rejected batch is an

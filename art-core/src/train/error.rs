@@ -125,6 +125,12 @@ pub enum TrainError {
     #[error("the training step produced a non-finite {what}; lower the learning rate or check the rewards")]
     NonFinite { what: &'static str },
 
+    #[error(
+        "kl_penalty_reference_step = {step}: the model has no checkpoint of that step (it has \
+         {steps:?}); name one of those, or 0 for the base model"
+    )]
+    UnknownReference { step: u64, steps: Vec<u64> },
+
     #[error("the model `{0}` was deleted; register it again to train it")]
     Retired(String),
 
@@ -153,6 +159,7 @@ impl TrainError {
                 | TrainError::ChatTemplate { .. }
                 | TrainError::BadExchange { .. }
                 | TrainError::Retired(_)
+                | TrainError::UnknownReference { .. }
                 | TrainError::NonFinite { .. }
         )
     }

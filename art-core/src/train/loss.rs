@@ -9,7 +9,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
 
 use crate::engine::{ops, Forward, LayerInputs, LoraAdapter, Model};
-use crate::types::{ImportanceSamplingLevel, LossFn, TrainConfig};
+use crate::types::{ImportanceSamplingLevel, KlPenaltySource, LossFn, TrainConfig};
 
 use super::batch::TrainSequence;
 use super::error::Result;
@@ -56,8 +56,11 @@ pub struct MicroBatchLoss {
     pub loss: Tensor,
     /// This micro-batch's share of the step's policy loss (weighted sum).
     pub policy_loss: f64,
-    /// This micro-batch's share of the step's KL to the base model (weighted sum), if `beta > 0`.
+    /// This micro-batch's share of the step's KL to the reference (weighted sum), if `beta > 0`.
     pub kl: Option<f64>,
+    /// With a KL penalty: the mean over this micro-batch's tokens of `source - reference`
+    /// logprobs (ART's `kl_policy_ref`).
+    pub kl_policy_ref: Option<f64>,
     /// Sum over trainable tokens of the policy's entropy at that position.
     pub entropy_sum: f64,
     /// Trainable tokens whose ratio was clipped.
@@ -111,6 +114,18 @@ impl MicroBatchLoss {
             model.backward_layers(inputs, grad, adapter, &mut grads)?;
         }
         Ok(grads)
+    }
+}
+
+/// ART's `advantage_balance` in [-1, 1]: above 0 negative advantages shrink by `1 - balance`,
+/// below 0 positive ones by `1 + balance`.
+fn balanced(advantage: f64, balance: f64) -> f64 {
+    if balance > 0.0 && advantage < 0.0 {
+        advantage * (1.0 - balance)
+    } else if balance < 0.0 && advantage > 0.0 {
+        advantage * (1.0 + balance)
+    } else {
+        advantage
     }
 }
 
@@ -187,10 +202,12 @@ fn target_logprobs(
 /// The GRPO loss of `batch` (right-padded into one forward). With `train`, the graph reaches
 /// the adapter's variables; without it, the same numbers are computed without a graph.
 /// `adapter: None` computes the base model's loss (its ratio is still taken against the
-/// sampler's logprobs).
+/// sampler's logprobs). `reference` is the adapter of the KL terms' reference policy (`None`:
+/// the base model).
 pub fn micro_batch_loss(
     model: &Model,
     adapter: Option<&LoraAdapter>,
+    reference: Option<&LoraAdapter>,
     batch: &[&TrainSequence],
     normalization: Normalization,
     config: &TrainConfig,
@@ -257,18 +274,35 @@ pub fn micro_batch_loss(
     let vector =
         |v: Vec<f64>| -> Result<Tensor> { Ok(Tensor::from_vec(v, n, device)?.to_dtype(dtype)?) };
 
-    // The sampler's logprobs; where unknown, the trainer's own (detached): a ratio of 1.
-    let known: Vec<f64> = sampler
+    let new_values: Vec<f64> = new_lp.to_dtype(DType::F64)?.to_vec1()?;
+    // The reference policy's logprobs (the base model, or `reference`), for the k3 KL term
+    // (`beta`) and for ART's KL-penalised advantages (`kl_penalty_coef`).
+    let ref_values = if config.beta > 0.0 || config.kl_penalty_coef > 0.0 {
+        let fwd = Forward {
+            adapter: reference,
+            train: false,
+            quantized: false,
+        };
+        let ref_hidden = select(model.forward_hidden(&input, fwd)?)?;
+        let (ref_lp, _, _) = target_logprobs(model, &ref_hidden, fwd, &targets, &target_ids)?;
+        Some(ref_lp.detach())
+    } else {
+        None
+    };
+    // The sampler's logprobs ("original"); where unknown, the trainer's own: a ratio of 1. The
+    // ratio is taken against them, or with `precalculate_logprobs` against the trainer's own at
+    // the start of the step ("old": a ratio of 1 that still has a gradient).
+    let original: Vec<f64> = sampler
         .iter()
-        .map(|x| f64::from(u8::from(x.is_finite())))
+        .zip(&new_values)
+        .map(|(&s, &own)| if s.is_finite() { f64::from(s) } else { own })
         .collect();
-    let old_filled: Vec<f64> = sampler
-        .iter()
-        .map(|&x| if x.is_finite() { f64::from(x) } else { 0.0 })
-        .collect();
-    let known = vector(known)?;
-    let old = (vector(old_filled)? + new_lp.detach().mul(&(1.0 - &known)?)?)?;
-    let token_log_ratio = (&new_lp - &old)?;
+    let old_values = if config.precalculate_logprobs {
+        new_values.clone()
+    } else {
+        original.clone()
+    };
+    let token_log_ratio = (&new_lp - vector(old_values.clone())?)?;
     // Mean log-ratio of each sequence (the log of the geometric mean of its token ratios),
     // given back to each of its tokens.
     let sequence_log_ratio = || -> Result<Tensor> {
@@ -294,46 +328,74 @@ pub fn micro_batch_loss(
         }
     };
 
+    // Per-token advantages, reshaped as ART does: `advantage_balance` scales one sign down,
+    // Kimi K2's tau subtracts the token's log-ratio, the KL penalty adds how much less than
+    // average the token departs from the reference.
+    let mut advantages: Vec<f64> = advantages
+        .iter()
+        .map(|&a| balanced(a, config.advantage_balance))
+        .collect();
+    if let Some(tau) = config.kimi_k2_tau {
+        for (j, a) in advantages.iter_mut().enumerate() {
+            *a -= tau * (new_values[j] - old_values[j]);
+        }
+    }
+    let mut kl_policy_ref = None;
+    if config.kl_penalty_coef > 0.0 && n > 0 {
+        let reference: Vec<f64> = ref_values
+            .as_ref()
+            .expect("computed for a KL penalty")
+            .to_dtype(DType::F64)?
+            .to_vec1()?;
+        let source = match config.kl_penalty_source {
+            KlPenaltySource::Sample => &old_values,
+            KlPenaltySource::CurrentLearner => &new_values,
+        };
+        let kl: Vec<f64> = source.iter().zip(&reference).map(|(s, r)| s - r).collect();
+        let mean = kl.iter().sum::<f64>() / n as f64;
+        for (a, kl) in advantages.iter_mut().zip(&kl) {
+            *a += config.kl_penalty_coef * (mean - kl);
+        }
+        kl_policy_ref = Some(mean);
+    }
+
     // Each token's term is `coef * x + constant`, decided on detached values, with `x` the
     // ratio (PPO) or the log-probability (CISPO).
     // PPO, -min(r A, clip(r) A): where the clipped term is the smaller one it is a constant (no
     // gradient), elsewhere it is r A.
     // CISPO, -sg(clip(r)) A log p: the clipped ratio is a constant weight, never a cut-off.
+    // Before either, a ratio above `max_negative_advantage_importance_sampling_weight` becomes
+    // that constant, and with `mask_prob_ratio` one outside the clip range becomes 0 (ART's
+    // order); after, truncated importance sampling weighs the token by min(old / original, cap).
     let ratio_values: Vec<f64> = ratio.to_dtype(DType::F64)?.to_vec1()?;
     let (low, high) = (1.0 - config.epsilon, 1.0 + config.epsilon_high());
     let mut coef = Vec::with_capacity(n);
     let mut constant = Vec::with_capacity(n);
     let mut clipped_tokens = 0;
-    for (&r, &a) in ratio_values.iter().zip(&advantages) {
-        match config.loss_fn {
-            LossFn::Ppo => {
-                let clip = if a > 0.0 && r > high {
-                    Some(high)
-                } else if a < 0.0 && r < low {
-                    Some(low)
-                } else {
-                    None
-                };
-                match clip {
-                    Some(c) => {
-                        clipped_tokens += 1;
-                        coef.push(0.0);
-                        constant.push(-a * c);
-                    }
-                    None => {
-                        coef.push(-a);
-                        constant.push(0.0);
-                    }
-                }
-            }
-            LossFn::Cispo => {
-                if r < low || r > high {
-                    clipped_tokens += 1;
-                }
-                coef.push(-a * r.clamp(low, high));
-                constant.push(0.0);
+    for (j, (&ratio, &a)) in ratio_values.iter().zip(&advantages).enumerate() {
+        let mut r = ratio;
+        let mut fixed = false;
+        if let Some(cap) = config.max_negative_advantage_importance_sampling_weight {
+            if r > cap {
+                (r, fixed) = (cap, true);
             }
         }
+        if config.mask_prob_ratio && !(r > low && r < high) {
+            (r, fixed) = (0.0, true);
+        }
+        let truncation = config
+            .truncated_importance_sampling
+            .map_or(1.0, |cap| (old_values[j] - original[j]).exp().min(cap));
+        let (c, k, clipped) = match config.loss_fn {
+            LossFn::Ppo if fixed => (0.0, -(r * a).min(r.clamp(low, high) * a), true),
+            LossFn::Ppo if a > 0.0 && r > high => (0.0, -a * high, true),
+            LossFn::Ppo if a < 0.0 && r < low => (0.0, -a * low, true),
+            LossFn::Ppo => (-a, 0.0, false),
+            LossFn::Cispo => (-a * r.clamp(low, high), 0.0, fixed || r < low || r > high),
+        };
+        clipped_tokens += usize::from(clipped);
+        coef.push(c * truncation);
+        constant.push(k * truncation);
     }
     let weights = vector(weights)?;
     let x = match config.loss_fn {
@@ -344,22 +406,16 @@ pub fn micro_batch_loss(
     let policy = (token_pg * &weights)?.sum_all()?;
     let policy_loss = policy.to_dtype(DType::F64)?.to_scalar::<f64>()?;
 
-    let (loss, kl) = if config.beta > 0.0 {
-        let base = Forward {
-            adapter: None,
-            train: false,
-            quantized: false,
-        };
-        let ref_hidden = select(model.forward_hidden(&input, base)?)?;
-        let (ref_lp, _, _) = target_logprobs(model, &ref_hidden, base, &targets, &target_ids)?;
-        // k3 estimator of KL(policy || base): exp(ref - new) - (ref - new) - 1.
-        let d = (ref_lp.detach() - &new_lp)?;
-        let kl_tok = ((d.exp()? - &d)? - 1.0)?;
-        let kl = (kl_tok * &weights)?.sum_all()?;
-        let kl_value = kl.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        ((policy + (kl * config.beta)?)?, Some(kl_value))
-    } else {
-        (policy, None)
+    let (loss, kl) = match ref_values.as_ref().filter(|_| config.beta > 0.0) {
+        Some(ref_lp) => {
+            // k3 estimator of KL(policy || reference): exp(ref - new) - (ref - new) - 1.
+            let d = (ref_lp - &new_lp)?;
+            let kl_tok = ((d.exp()? - &d)? - 1.0)?;
+            let kl = (kl_tok * &weights)?.sum_all()?;
+            let kl_value = kl.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            ((policy + (kl * config.beta)?)?, Some(kl_value))
+        }
+        None => (policy, None),
     };
 
     let entropy_sum = entropy
@@ -371,6 +427,7 @@ pub fn micro_batch_loss(
         loss,
         policy_loss,
         kl,
+        kl_policy_ref,
         entropy_sum,
         clipped_tokens,
         trainer_logprobs,

@@ -191,6 +191,24 @@ impl Trainer {
         Ok((deleted, kept))
     }
 
+    /// The adapter of the KL reference policy: `None` for the base model (no step, or step 0),
+    /// else that step's checkpoint (served, or read back from disk).
+    fn reference_adapter(&self, step: Option<u64>) -> Result<Option<Arc<LoraAdapter>>> {
+        let Some(step) = step.filter(|&s| s > 0) else {
+            return Ok(None);
+        };
+        if let Some(served) = self.engine.adapter(&self.adapter_name(step)) {
+            return Ok(Some(served));
+        }
+        let steps = list_checkpoints(&self.model_dir);
+        if !steps.contains(&step) {
+            return Err(TrainError::UnknownReference { step, steps });
+        }
+        let dir = checkpoint_dir(&self.model_dir, step);
+        let adapter = LoraAdapter::load_peft(&dir, self.engine.config(), self.engine.device())?;
+        Ok(Some(Arc::new(adapter)))
+    }
+
     /// Stops serving every adapter of this model and refuses any later step (one queued behind
     /// the deletion of its model would otherwise write its directory again). The caller deletes
     /// the files.
@@ -291,9 +309,11 @@ impl Trainer {
             elapsed_s: started.elapsed().as_secs_f64(),
         });
 
+        let reference = self.reference_adapter(config.kl_penalty_reference_step)?;
         let named = self.adapter.named_vars();
         let mut grads: Vec<Option<Tensor>> = vec![None; named.len()];
         let (mut loss, mut policy_loss, mut kl, mut entropy_sum) = (0.0, 0.0, None, 0.0);
+        let mut kl_policy_ref: Option<f64> = None;
         let mut clipped = 0;
         let mut done_tokens = 0;
         let (mut sampler_lp, mut trainer_lp) = (Vec::new(), Vec::new());
@@ -303,6 +323,7 @@ impl Trainer {
             let mut out = micro_batch_loss(
                 self.engine.model(),
                 Some(&self.adapter),
+                reference.as_deref(),
                 &members,
                 normalization,
                 config,
@@ -322,6 +343,10 @@ impl Trainer {
             policy_loss += out.policy_loss;
             if let Some(x) = out.kl {
                 kl = Some(kl.unwrap_or(0.0) + x);
+            }
+            if let Some(x) = out.kl_policy_ref {
+                // Token-weighted over micro-batches: the step's mean.
+                kl_policy_ref = Some(kl_policy_ref.unwrap_or(0.0) + x * out.num_tokens() as f64);
             }
             entropy_sum += out.entropy_sum;
             clipped += out.clipped_tokens;
@@ -381,6 +406,7 @@ impl Trainer {
             loss,
             policy_loss,
             kl,
+            kl_policy_ref: kl_policy_ref.map(|sum| sum / done_tokens.max(1) as f64),
             entropy: if done_tokens > 0 {
                 entropy_sum / done_tokens as f64
             } else {

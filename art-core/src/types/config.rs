@@ -30,6 +30,17 @@ pub enum LossFn {
     Cispo,
 }
 
+/// Whose logprobs ART's KL penalty compares with the reference's (`kl_penalty_source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum KlPenaltySource {
+    /// The policy being trained, as it is at the start of the step.
+    #[default]
+    CurrentLearner,
+    /// The sampler's (the logprobs the rollouts came with).
+    Sample,
+}
+
 /// The LoRA adapter trained on top of the frozen base model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -72,8 +83,33 @@ pub struct TrainConfig {
     pub learning_rate: f64,
     /// PPO clipping (our default) or CISPO (ART's default since 0.5).
     pub loss_fn: LossFn,
-    /// Weight of the k3 KL penalty to the base model (0 = no reference forward pass).
+    /// Weight of the k3 KL penalty to the reference policy (0 = none).
     pub beta: f64,
+    /// ART's KL-penalised advantages: each token's advantage gains
+    /// `kl_penalty_coef * (mean_kl - kl)`, with `kl` its `source - reference` logprob (0 = off).
+    pub kl_penalty_coef: f64,
+    pub kl_penalty_source: KlPenaltySource,
+    /// The reference policy of both KL terms: this step's checkpoint of the model being trained;
+    /// `None` (or 0) for the base model.
+    pub kl_penalty_reference_step: Option<u64>,
+    /// ART's: in [-1, 1]; above 0 negative advantages are scaled by `1 - balance`, below 0
+    /// positive ones by `1 + balance`.
+    pub advantage_balance: f64,
+    /// Take the ratio against the trainer's own logprobs at the start of the step instead of the
+    /// sampler's (which then only serve truncated importance sampling).
+    pub precalculate_logprobs: bool,
+    /// Truncated importance sampling: weigh each token by `min(trainer / sampler probability,
+    /// cap)` at the start of the step, for rollouts sampled off-policy. Needs
+    /// `precalculate_logprobs`.
+    pub truncated_importance_sampling: Option<f64>,
+    /// With PPO, a ratio outside the clip range gives nothing (its ratio taken as 0); with CISPO
+    /// its weight becomes `1 - epsilon`.
+    pub mask_prob_ratio: bool,
+    /// A cap on every importance ratio (ART's name, which applies it whatever the advantage's
+    /// sign): a larger ratio becomes this constant.
+    pub max_negative_advantage_importance_sampling_weight: Option<f64>,
+    /// Kimi K2's tau: each token's advantage loses `tau * (log p - log p_old)`.
+    pub kimi_k2_tau: Option<f64>,
     /// Lower clip of the importance ratio: ratios below `1 - epsilon` stop giving gradient.
     pub epsilon: f64,
     /// Upper clip (`1 + epsilon_high`); `None` means the same as `epsilon`.
@@ -107,6 +143,15 @@ impl Default for TrainConfig {
             learning_rate: 5e-6,
             loss_fn: LossFn::Ppo,
             beta: 0.0,
+            kl_penalty_coef: 0.0,
+            kl_penalty_source: KlPenaltySource::CurrentLearner,
+            kl_penalty_reference_step: None,
+            advantage_balance: 0.0,
+            precalculate_logprobs: false,
+            truncated_importance_sampling: None,
+            mask_prob_ratio: false,
+            max_negative_advantage_importance_sampling_weight: None,
+            kimi_k2_tau: None,
             epsilon: 0.2,
             epsilon_high: None,
             scale_rewards: true,
@@ -169,6 +214,47 @@ impl TrainConfig {
             self.beta,
             "a finite number >= 0",
         )?;
+        check(
+            non_negative(self.kl_penalty_coef),
+            "kl_penalty_coef",
+            self.kl_penalty_coef,
+            "a finite number >= 0",
+        )?;
+        check(
+            (-1.0..=1.0).contains(&self.advantage_balance),
+            "advantage_balance",
+            self.advantage_balance,
+            "in [-1, 1]",
+        )?;
+        for (field, value) in [
+            (
+                "truncated_importance_sampling",
+                self.truncated_importance_sampling,
+            ),
+            (
+                "max_negative_advantage_importance_sampling_weight",
+                self.max_negative_advantage_importance_sampling_weight,
+            ),
+        ] {
+            if let Some(x) = value {
+                check(positive(x), field, x, "a finite number > 0, or null")?;
+            }
+        }
+        check(
+            self.truncated_importance_sampling.is_none() || self.precalculate_logprobs,
+            "truncated_importance_sampling",
+            self.truncated_importance_sampling.unwrap_or_default(),
+            "set with precalculate_logprobs (it weighs the trainer's start-of-step logprobs \
+             against the sampler's)",
+        )?;
+        if let Some(tau) = self.kimi_k2_tau {
+            check(
+                tau.is_finite(),
+                "kimi_k2_tau",
+                tau,
+                "a finite number, or null",
+            )?;
+        }
         check(
             non_negative(self.epsilon),
             "epsilon",

@@ -10,7 +10,9 @@ mod training;
 mod trajectory;
 
 pub use choice::{Choice, ChoiceLogprobs, TokenLogprob, TopLogprob};
-pub use config::{ImportanceSamplingLevel, InvalidConfig, LoraConfig, LossFn, TrainConfig};
+pub use config::{
+    ImportanceSamplingLevel, InvalidConfig, KlPenaltySource, LoraConfig, LossFn, TrainConfig,
+};
 pub use logging::{HistoryList, LogRequest, Split, TrajectoryGroupList};
 pub use message::{
     AssistantMessage, Content, ContentPart, FunctionCall, FunctionDefinition, ImageUrl, Message,

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::{ImportanceSamplingLevel, LossFn, TrainConfig, TrajectoryGroup};
+use super::{ImportanceSamplingLevel, KlPenaltySource, LossFn, TrainConfig, TrajectoryGroup};
 
 /// `POST /v1/preview/models`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -155,8 +155,13 @@ pub struct UnsupportedSetting {
 
 impl ExperimentalConfig {
     /// The training settings these fields ask for, starting from `base` (the server's defaults
-    /// for everything ART does not set). Null means ART's default.
-    pub fn train_config(&self, base: &TrainConfig) -> Result<TrainConfig, UnsupportedSetting> {
+    /// for everything ART does not set), for a model now at `step` (a KL reference given as a
+    /// lag is a step before it). Null means ART's default.
+    pub fn train_config(
+        &self,
+        base: &TrainConfig,
+        step: u64,
+    ) -> Result<TrainConfig, UnsupportedSetting> {
         let refuse = |field: &str, value: &dyn std::fmt::Display, reason: &str| {
             Err(UnsupportedSetting {
                 field: field.to_string(),
@@ -169,28 +174,14 @@ impl ExperimentalConfig {
         let zero = |x: Option<f64>| x.is_none_or(|x| x == 0.0);
         let off = |x: Option<bool>| x.is_none_or(|x| !x);
         for (field, default) in [
-            ("advantage_balance", zero(self.advantage_balance)),
-            ("kl_penalty_coef", zero(self.kl_penalty_coef)),
             (
                 "num_trajectories_learning_rate_multiplier_power",
                 zero(self.num_trajectories_learning_rate_multiplier_power),
             ),
-            ("mask_prob_ratio", off(self.mask_prob_ratio)),
             ("plot_tensors", off(self.plot_tensors)),
-            ("precalculate_logprobs", off(self.precalculate_logprobs)),
             (
                 "scale_learning_rate_by_reward_std_dev",
                 off(self.scale_learning_rate_by_reward_std_dev),
-            ),
-            (
-                "max_negative_advantage_importance_sampling_weight",
-                self.max_negative_advantage_importance_sampling_weight
-                    .is_none(),
-            ),
-            ("kimi_k2_tau", self.kimi_k2_tau.is_none()),
-            (
-                "truncated_importance_sampling",
-                self.truncated_importance_sampling.is_none(),
             ),
         ] {
             if !default {
@@ -198,10 +189,17 @@ impl ExperimentalConfig {
                 return refuse(field, &value, not_yet);
             }
         }
+        if let Some(path) = &self.kl_ref_adapter_path {
+            return refuse(
+                "kl_ref_adapter_path",
+                path,
+                "name the reference by its step (kl_penalty_reference_step) instead: this \
+                 server keeps every checkpoint of the model",
+            );
+        }
         if let Some((field, value)) = self.other.iter().find(|(_, v)| !v.is_null()) {
             return refuse(field, value, "unknown to this server");
         }
-        // The KL reference fields only matter with a KL penalty, refused above.
 
         let mut config = base.clone();
         let loss_fn = match (self.loss_fn, self.ppo) {
@@ -247,6 +245,47 @@ impl ExperimentalConfig {
         if let Some(allow) = self.allow_training_without_logprobs {
             config.allow_training_without_logprobs = allow;
         }
+        if let Some(balance) = self.advantage_balance {
+            config.advantage_balance = balance;
+        }
+        if let Some(coef) = self.kl_penalty_coef {
+            config.kl_penalty_coef = coef;
+        }
+        config.kl_penalty_source = match self.kl_penalty_source.as_deref() {
+            None | Some("current_learner") => KlPenaltySource::CurrentLearner,
+            Some("sample") => KlPenaltySource::Sample,
+            Some(other) => {
+                return refuse(
+                    "kl_penalty_source",
+                    &other,
+                    "is `current_learner` or `sample`",
+                )
+            }
+        };
+        config.kl_penalty_reference_step =
+            match (self.kl_penalty_reference_step, self.kl_penalty_step_lag) {
+                (Some(_), Some(lag)) => {
+                    return refuse(
+                        "kl_penalty_step_lag",
+                        &lag,
+                        "set only one of kl_penalty_reference_step and kl_penalty_step_lag",
+                    )
+                }
+                (Some(step), None) => Some(step),
+                // ART: a moving reference, `lag` steps behind (the base model before that).
+                (None, Some(lag)) => Some(step.saturating_sub(lag)),
+                (None, None) => None,
+            };
+        if let Some(mask) = self.mask_prob_ratio {
+            config.mask_prob_ratio = mask;
+        }
+        config.max_negative_advantage_importance_sampling_weight =
+            self.max_negative_advantage_importance_sampling_weight;
+        config.kimi_k2_tau = self.kimi_k2_tau;
+        if let Some(precalculate) = self.precalculate_logprobs {
+            config.precalculate_logprobs = precalculate;
+        }
+        config.truncated_importance_sampling = self.truncated_importance_sampling;
         // ART packs sequences into rows of this many tokens; a micro-batch here holds as many
         // tokens (padding included).
         if let Some(tokens) = self.packed_sequence_length {

@@ -30,8 +30,11 @@ pub struct StepMetrics {
     /// `policy_loss + beta * kl`.
     pub loss: f64,
     pub policy_loss: f64,
-    /// k3 estimate of KL(policy || base), only computed when `beta > 0`.
+    /// k3 estimate of KL(policy || reference), only computed when `beta > 0`.
     pub kl: Option<f64>,
+    /// With ART's KL penalty: the mean `source - reference` logprob of the trained tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_policy_ref: Option<f64>,
     /// Mean entropy of the policy over trainable positions.
     pub entropy: f64,
     /// Global gradient norm before clipping.
@@ -115,7 +118,8 @@ pub struct TrainRequest {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum TrainEvent {
     Progress(TrainProgress),
-    Result(StepResult),
+    /// Boxed: a result is much larger than the progress lines that come before it.
+    Result(Box<StepResult>),
     /// The step failed; nothing was changed (the model stays at its previous step).
     Error {
         message: String,
