@@ -89,6 +89,18 @@ pub enum ClientError {
     BadResponse { url: String, message: String },
 }
 
+impl ClientError {
+    /// Whether trying again later may succeed: the server was unreachable or overloaded (429,
+    /// 502, 503, 504), as opposed to refusing the request itself.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ClientError::Transport { .. } => true,
+            ClientError::Api { status, .. } => matches!(status, 429 | 502 | 503 | 504),
+            ClientError::BadResponse { .. } => false,
+        }
+    }
+}
+
 /// The HTTP client of one request (see `ChatEndpoint::client` for why none is kept). No idle
 /// timeout on pooled connections: its reaper is a task that calls tokio's timer from a runtime
 /// thread, where (in the kernel) the cell's tokio has no context.

@@ -54,6 +54,53 @@ impl TrajectoryGroup {
     }
 }
 
+impl TrajectoryGroup {
+    /// A group of `count` rollouts that survive transient failures: rollout `i` is
+    /// `make(i)`, built again and retried (up to `retries` more times, after 0.25 s, 0.5 s,
+    /// 1 s, ...) when it fails with an error [`is_transient`] accepts, so that a dropped
+    /// connection or an overloaded server (429, 503) costs an attempt, not the trajectory.
+    pub fn from_retried_rollouts<'a, M, F, E>(
+        count: usize,
+        retries: usize,
+        make: M,
+    ) -> PendingGroup<'a>
+    where
+        M: Fn(usize) -> F + Send + Sync + 'a,
+        F: Future<Output = Result<Trajectory, E>> + Send + 'a,
+        E: Into<anyhow::Error> + 'a,
+    {
+        let make = std::sync::Arc::new(make);
+        TrajectoryGroup::from_rollouts((0..count).map(|i| {
+            let make = make.clone();
+            async move {
+                let mut attempt = 0;
+                loop {
+                    match make(i).await.map_err(Into::into) {
+                        Err(error) if attempt < retries && is_transient(&error) => {
+                            let wait = std::time::Duration::from_millis(250 << attempt.min(6));
+                            tokio::time::sleep(wait).await;
+                            attempt += 1;
+                        }
+                        outcome => return outcome,
+                    }
+                }
+            }
+        }))
+    }
+}
+
+/// Whether a rollout's error is worth another attempt: a [`ClientError`] (anywhere in its chain)
+/// that says the server was unreachable or overloaded.
+///
+/// [`ClientError`]: crate::ClientError
+pub fn is_transient(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<crate::ClientError>()
+            .is_some_and(crate::ClientError::is_transient)
+    })
+}
+
 impl<'a> PendingGroup<'a> {
     /// Metadata copied onto the finished group (scenario id, difficulty, ...).
     pub fn with_metadata(

@@ -6,6 +6,7 @@
 
 pub mod backend;
 pub mod client;
+pub mod dataset;
 pub mod display;
 #[cfg(feature = "frames")]
 pub mod frames;
@@ -23,6 +24,7 @@ pub use backend::{
     TrainableModel,
 };
 pub use client::{ChatEndpoint, ClientError};
+pub use dataset::{iterate_dataset, DatasetBatch};
 #[cfg(feature = "frames")]
 pub use frames::{groups_frame, history_frame, DataFrame, FrameError};
 pub use gather::{

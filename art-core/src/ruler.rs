@@ -68,6 +68,11 @@ impl RulerOptions {
         self.swallow_errors = swallow;
         self
     }
+
+    /// [`RulerOptions::swallow_errors`] under ART's name for it.
+    pub fn swallow_exceptions(self, swallow: bool) -> Self {
+        self.swallow_errors(swallow)
+    }
 }
 
 /// The judge's verdict on one trajectory.

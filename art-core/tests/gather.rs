@@ -226,3 +226,33 @@ async fn one_group_and_empty_groups() {
     assert_eq!(result.len(), 1);
     assert!(result[0].trajectories.is_empty());
 }
+
+/// Paused time: the retries' back-off sleeps pass at once.
+#[tokio::test(start_paused = true)]
+async fn transient_failures_are_retried_and_others_are_not() {
+    let attempts: Vec<AtomicUsize> = (0..3).map(|_| AtomicUsize::new(0)).collect();
+    let failure = |status: u16| art_core::ClientError::Api {
+        url: "http://judge/v1".into(),
+        status,
+        message: "try later".into(),
+    };
+    // Rollout 0 meets two 503s then succeeds; rollout 1 keeps getting 429s (more than the
+    // retries); rollout 2 is refused (400), which no retry can fix.
+    let group = TrajectoryGroup::from_retried_rollouts(3, 2, |i| {
+        let attempt = attempts[i].fetch_add(1, Ordering::SeqCst);
+        let outcome = match (i, attempt) {
+            (0, 0 | 1) => Err(failure(503)),
+            (0, _) => Ok(Trajectory::new([Message::user("hi")])),
+            (1, _) => Err(failure(429)),
+            _ => Err(failure(400)),
+        };
+        async move { outcome }
+    })
+    .gather(GatherOptions::new().max_exceptions(2).progress_bar(false))
+    .await
+    .unwrap();
+    assert_eq!(group.trajectories.len(), 1);
+    assert_eq!(group.exceptions.len(), 2);
+    let counts: Vec<usize> = attempts.iter().map(|a| a.load(Ordering::SeqCst)).collect();
+    assert_eq!(counts, [3, 3, 1]);
+}
