@@ -91,9 +91,9 @@ impl Settings {
     fn from_args() -> anyhow::Result<Self> {
         let mut settings = Settings {
             steps: 10,
-            groups: 4,
+            groups: 8,
             group_size: 8,
-            learning_rate: 5e-4,
+            learning_rate: 1e-3,
             loss_fn: LossFn::Ppo,
             temperature: 1.0,
             eval: 32,
