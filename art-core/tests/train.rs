@@ -542,15 +542,22 @@ fn randomize_b(adapter: &LoraAdapter, seed: u64) {
     }
 }
 
+/// The loss fixture on the tiny Qwen2 model computed in f64, with an adapter whose `B`s are
+/// random (so that gradients reach every variable).
+fn f64_loss_fixture() -> (TempDir, Arc<Engine>, LoraAdapter, Vec<TrainSequence>) {
+    let (dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F64));
+    let adapter = LoraAdapter::new(engine.config(), &lora(4), engine.device(), 3).unwrap();
+    randomize_b(&adapter, 11);
+    let sequences = loss_fixture(&engine, &adapter);
+    (dir, engine, adapter, sequences)
+}
+
 #[test]
 fn lora_gradients_match_finite_differences() {
     // The whole model runs in f64 (the LoRA variables stay f32 and are cast on use), so central
     // differences are accurate to ~1e-9 and the comparison is limited by the f32 storage of the
     // gradient (~1e-7 relative).
-    let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F64));
-    let adapter = LoraAdapter::new(engine.config(), &lora(4), engine.device(), 3).unwrap();
-    randomize_b(&adapter, 11);
-    let sequences = loss_fixture(&engine, &adapter);
+    let (_dir, engine, adapter, sequences) = f64_loss_fixture();
     let refs: Vec<&TrainSequence> = sequences.iter().collect();
     let configs = [
         TrainConfig {
@@ -780,10 +787,7 @@ fn unclipped(loss_fn: LossFn) -> TrainConfig {
 fn cispo_weighs_each_tokens_logprob_by_its_clipped_ratio() {
     // CISPO's gradient is sum(w * -A * clip(r) * grad log p): where nothing is clipped it is
     // PPO's, and elsewhere unclipped PPO's at the clipped ratios.
-    let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F64));
-    let adapter = LoraAdapter::new(engine.config(), &lora(4), engine.device(), 3).unwrap();
-    randomize_b(&adapter, 11);
-    let sequences = loss_fixture(&engine, &adapter);
+    let (_dir, engine, adapter, sequences) = f64_loss_fixture();
     let (ppo, out) = loss_gradients(&engine, &adapter, &sequences, &unclipped(LossFn::Ppo));
     let (cispo, _) = loss_gradients(&engine, &adapter, &sequences, &unclipped(LossFn::Cispo));
     assert_eq!(out.clipped_tokens, 0);
@@ -811,10 +815,7 @@ fn options_that_reweigh_tokens_by_detached_values_match_their_ppo_equivalents() 
     // Options whose factors depend on the trainer's own (detached) logprobs cannot be checked
     // by finite differences (those would move the factors too): each is checked against
     // unclipped PPO on a batch whose ratios carry the same factors.
-    let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F64));
-    let adapter = LoraAdapter::new(engine.config(), &lora(4), engine.device(), 3).unwrap();
-    randomize_b(&adapter, 11);
-    let sequences = loss_fixture(&engine, &adapter);
+    let (_dir, engine, adapter, sequences) = f64_loss_fixture();
     let (_, plain) = loss_gradients(&engine, &adapter, &sequences, &unclipped(LossFn::Ppo));
     let own = plain.trainer_logprobs.clone();
     let refs: Vec<&TrainSequence> = sequences.iter().collect();
