@@ -34,6 +34,26 @@ pub struct RegisteredModel {
 }
 
 impl RegisteredModel {
+    /// Runs `work` with this model's trainer held (so that no step runs meanwhile), on a
+    /// blocking thread: it touches files and may wait for a running step. `what` names the work
+    /// in the error a crash of that thread becomes.
+    pub async fn with_trainer<T: Send + 'static>(
+        &self,
+        what: &str,
+        work: impl FnOnce(&mut Trainer, &RegisteredModel) -> Result<T, ApiError> + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let model = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut trainer = model
+                .trainer
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            work(&mut trainer, &model)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("{what} stopped: {e}")))?
+    }
+
     pub fn info(&self) -> ModelInfo {
         ModelInfo {
             step: self.step.load(Ordering::SeqCst),

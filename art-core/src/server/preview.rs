@@ -9,14 +9,14 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::backend::RegisterRequest;
-use crate::train::{checkpoint_metrics, list_checkpoints};
+use crate::train::{checkpoint_metrics, list_checkpoints, Trainer};
 use crate::types::{
     CursorPage, DeleteStepsRequest, DeleteStepsResponse, ExperimentalConfig, JobEventKind,
     LogRequest, PreviewCheckpoint, PreviewModel, PreviewModelRequest, TrainConfig, TrainingJob,
     TrainingJobEvent, TrainingJobRequest,
 };
 
-use super::art::register_model;
+use super::art::{register_model, RegisteredModel};
 use super::error::{ApiError, ApiJson};
 use super::jobs::object;
 use super::state::AppState;
@@ -85,14 +85,9 @@ pub async fn delete_model(
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
     let model = state.registered_or_404(&id)?;
-    let unregistered = state.clone();
-    tokio::task::spawn_blocking(move || {
-        let mut trainer = model
-            .trainer
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let work = move |trainer: &mut Trainer, model: &RegisteredModel| {
         trainer.retire();
-        unregistered
+        state
             .registry
             .lock()
             .expect("registry lock")
@@ -100,9 +95,8 @@ pub async fn delete_model(
             .remove(trainer.name());
         std::fs::remove_dir_all(&model.dir)
             .map_err(|e| ApiError::internal(format!("cannot delete {}: {e}", model.dir.display())))
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("deleting the model stopped: {e}")))??;
+    };
+    model.with_trainer("deleting the model", work).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -198,12 +192,8 @@ pub async fn delete_checkpoints(
     ApiJson(request): ApiJson<DeleteStepsRequest>,
 ) -> Result<ApiJson<DeleteStepsResponse>, ApiError> {
     let model = state.registered_or_404(&id)?;
-    let outcome = tokio::task::spawn_blocking(move || {
-        // With the trainer held no step can add a checkpoint meanwhile.
-        let mut trainer = model
-            .trainer
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+    // With the trainer held no step can add a checkpoint meanwhile.
+    let work = move |trainer: &mut Trainer, model: &RegisteredModel| {
         let steps = list_checkpoints(&model.dir);
         if let Some(latest) = steps.last().filter(|s| request.steps.contains(s)) {
             return Err(ApiError::invalid_param(
@@ -231,10 +221,10 @@ pub async fn delete_checkpoints(
             deleted_count: deleted.len(),
             not_found_steps,
         })
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("deleting checkpoints stopped: {e}")))??;
-    Ok(ApiJson(outcome))
+    };
+    Ok(ApiJson(
+        model.with_trainer("deleting checkpoints", work).await?,
+    ))
 }
 
 /// Starts a training step and answers at once with the job's id; the step's progress is read

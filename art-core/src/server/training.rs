@@ -13,7 +13,7 @@ use opentelemetry::KeyValue;
 
 use crate::store::best_step;
 use crate::telemetry;
-use crate::train::{checkpoint_metrics, list_checkpoints, TrainError};
+use crate::train::{checkpoint_metrics, list_checkpoints, TrainError, Trainer};
 use crate::types::{
     CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse,
     StepResult, TrainConfig, TrainEvent, TrainProgress, TrainRequest, TrajectoryGroup,
@@ -222,12 +222,8 @@ pub async fn delete_checkpoints(
     ApiJson(request): ApiJson<DeleteCheckpointsRequest>,
 ) -> Result<ApiJson<DeleteCheckpointsResponse>, ApiError> {
     let model = state.registered_or_404(&name)?;
-    let outcome = tokio::task::spawn_blocking(move || {
-        let mut trainer = model
-            .trainer
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        // With the trainer held no step can add a checkpoint between choosing and deleting.
+    // With the trainer held no step can add a checkpoint between choosing and deleting.
+    let work = move |trainer: &mut Trainer, model: &RegisteredModel| {
         let mut keep = request.keep.clone();
         let mut best = None;
         if let Some(metric) = &request.best_metric {
@@ -237,13 +233,13 @@ pub async fn delete_checkpoints(
             keep.extend(best);
         }
         let (deleted, kept) = trainer.delete_checkpoints(&keep).map_err(train_error)?;
-        Ok::<_, ApiError>(DeleteCheckpointsResponse {
+        Ok(DeleteCheckpointsResponse {
             deleted,
             kept,
             best_step: best,
         })
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("deleting checkpoints stopped: {e}")))??;
-    Ok(ApiJson(outcome))
+    };
+    Ok(ApiJson(
+        model.with_trainer("deleting checkpoints", work).await?,
+    ))
 }
