@@ -206,10 +206,12 @@ async def checks(server: Server, work: str, report: dict) -> None:
     jobs_dir = os.path.join(server.art_dir, "training-jobs")
     known = set(os.listdir(jobs_dir))
     train = asyncio.create_task(backend.train(model, [group], learning_rate=1e-5))
+    # Killed once the step is computing (its job recorded `training_started`).
     deadline = time.monotonic() + 60
-    while not set(os.listdir(jobs_dir)) - known:
-        assert time.monotonic() < deadline, "no training job was created"
-        await asyncio.sleep(0.02)
+    while not any("training_started" in open(os.path.join(jobs_dir, job)).read()
+                  for job in set(os.listdir(jobs_dir)) - known):
+        assert time.monotonic() < deadline, "no training job started"
+        await asyncio.sleep(0.01)
     server.kill()
     server.start()
     started = time.monotonic()
