@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::State;
-use axum::response::sse::{Event, Sse};
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
@@ -529,7 +529,9 @@ fn stream(
     });
     let stream =
         futures::stream::poll_fn(move |cx| receiver.poll_recv(cx).map(|event| event.map(Ok)));
-    Sse::new(stream)
+    // A comment line every 15 s while a long generation is silent, so that proxies and clients
+    // with idle timeouts keep the stream open.
+    Sse::new(stream).keep_alive(KeepAlive::default())
 }
 
 /// A streamed answer's GenAI attributes (the non-streamed path has the whole `ChatCompletion`).

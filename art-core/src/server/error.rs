@@ -97,10 +97,20 @@ impl ApiError {
         }
     }
 
-    pub fn internal(message: impl Into<String>) -> Self {
+    /// A fault of the server's own. The detail (which may name files and internals) goes to the
+    /// server's log under a fresh id; the client gets the id only.
+    pub fn internal(detail: impl Into<String>) -> Self {
+        let id = format!(
+            "err-{}",
+            crate::engine::tool_calls::new_tool_call_id().trim_start_matches("call_")
+        );
+        eprintln!("art serve: internal error {id}: {}", detail.into());
         ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: message.into(),
+            message: format!(
+                "The server could not handle this request (internal error {id}; the server's \
+                 log has the details)."
+            ),
             kind: "server_error",
             param: None,
             code: None,
@@ -143,5 +153,22 @@ pub struct ApiJson<T>(pub T);
 impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
     fn into_response(self) -> Response {
         Json(self.0).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn internal_details_stay_in_the_servers_log() {
+        let error = ApiError::internal("cannot write /home/someone/.art/m/checkpoints: disk full");
+        assert_eq!(error.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(!error.message.contains("/home"), "{}", error.message);
+        assert!(
+            error.message.contains("internal error err-"),
+            "{}",
+            error.message
+        );
     }
 }

@@ -24,6 +24,7 @@ use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use opentelemetry::trace::FutureExt as _;
 use serde_json::{json, Value};
+use subtle::ConstantTimeEq;
 
 use crate::engine::{Engine, LoadOptions, ModelSource};
 
@@ -240,7 +241,12 @@ async fn require_api_key(
             .headers()
             .get(AUTHORIZATION)
             .and_then(|v| v.to_str().ok());
-        if sent.and_then(|v| v.strip_prefix("Bearer ")) != Some(key.as_str()) {
+        // Compared in constant time, so that response times do not tell how much of a guessed
+        // key was right.
+        let matches = sent
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|sent| bool::from(sent.as_bytes().ct_eq(key.as_bytes())));
+        if !matches {
             return Err(ApiError::unauthorized());
         }
     }
