@@ -63,6 +63,31 @@ pub fn chat_template_for(engine: &Engine) -> Result<ChatTemplate> {
     Ok(template)
 }
 
+/// A conversation's tokens as they are put together, before [`Tokenization::finish`].
+#[derive(Default)]
+struct Draft {
+    tokens: Vec<u32>,
+    trainable: Vec<bool>,
+    logprobs: Vec<f32>,
+}
+
+impl Draft {
+    /// Tokens the model did not sample (prompt, template text, written messages).
+    fn push_context(&mut self, ids: &[u32]) {
+        self.trainable.extend(std::iter::repeat_n(false, ids.len()));
+        self.logprobs
+            .extend(std::iter::repeat_n(f32::NAN, ids.len()));
+        self.tokens.extend_from_slice(ids);
+    }
+
+    /// Tokens the model sampled, with the sampler's logprobs.
+    fn push_sampled(&mut self, ids: Vec<u32>, logprobs: Vec<f32>) {
+        self.trainable.extend(std::iter::repeat_n(true, ids.len()));
+        self.logprobs.extend(logprobs);
+        self.tokens.extend(ids);
+    }
+}
+
 /// Renders conversations and tokenizes them for training.
 pub struct Tokenization<'e> {
     engine: &'e Engine,
@@ -118,9 +143,7 @@ impl<'e> Tokenization<'e> {
                     .map_err(|error| TrainError::ChatTemplate { at: source, error })?,
             )
         };
-        let mut tokens = Vec::new();
-        let mut trainable = Vec::new();
-        let mut logprobs = Vec::new();
+        let mut draft = Draft::default();
         for segment in rendered.as_ref().map(|r| r.segments()).unwrap_or_default() {
             let original = segment
                 .assistant_message
@@ -131,10 +154,7 @@ impl<'e> Tokenization<'e> {
             });
             let Some((message, choice)) = choice else {
                 // Prompt text, or an assistant message written rather than sampled: context only.
-                let ids = self.encode(segment.text)?;
-                trainable.extend(std::iter::repeat_n(false, ids.len()));
-                logprobs.extend(std::iter::repeat_n(f32::NAN, ids.len()));
-                tokens.extend(ids);
+                draft.push_context(&self.encode(segment.text)?);
                 continue;
             };
             let ids = choice
@@ -144,11 +164,9 @@ impl<'e> Tokenization<'e> {
                     message,
                 })?;
             let lps = self.sampled(choice, &ids, source, message)?;
-            trainable.extend(std::iter::repeat_n(true, ids.len()));
-            logprobs.extend(lps);
-            tokens.extend(ids);
+            draft.push_sampled(ids, lps);
         }
-        self.finish(tokens, trainable, logprobs, advantage, source)
+        self.finish(draft, advantage, source)
     }
 
     /// Every sequence of a trajectory: its conversation (or its captured calls) and its
@@ -267,8 +285,8 @@ impl<'e> Tokenization<'e> {
         advantage: f64,
         source: SequenceSource,
     ) -> Result<Vec<TrainSequence>> {
-        // (tokens, trainable, logprobs) of each conversation so far.
-        let mut built: Vec<(Vec<u32>, Vec<bool>, Vec<f32>)> = Vec::new();
+        // Each conversation so far.
+        let mut built: Vec<Draft> = Vec::new();
         for (k, exchange) in exchanges.iter().enumerate() {
             let bad = |reason: &str| TrainError::BadExchange {
                 at: source,
@@ -293,28 +311,21 @@ impl<'e> Tokenization<'e> {
                 let continued = built
                     .iter_mut()
                     .rev()
-                    .find(|(tokens, _, _)| prompt.starts_with(tokens));
-                let (tokens, trainable, logprobs) = match continued {
+                    .find(|draft| prompt.starts_with(&draft.tokens));
+                let draft = match continued {
                     Some(conversation) => conversation,
                     None => {
-                        built.push(Default::default());
+                        built.push(Draft::default());
                         built.last_mut().expect("just pushed")
                     }
                 };
-                let context = &prompt[tokens.len()..];
-                trainable.extend(std::iter::repeat_n(false, context.len()));
-                logprobs.extend(std::iter::repeat_n(f32::NAN, context.len()));
-                tokens.extend_from_slice(context);
-                trainable.extend(std::iter::repeat_n(true, ids.len()));
-                logprobs.extend(lps);
-                tokens.extend(ids);
+                draft.push_context(&prompt[draft.tokens.len()..]);
+                draft.push_sampled(ids, lps);
             }
         }
         built
             .into_iter()
-            .map(|(tokens, trainable, logprobs)| {
-                self.finish(tokens, trainable, logprobs, advantage, source)
-            })
+            .map(|draft| self.finish(draft, advantage, source))
             .collect()
     }
 
@@ -322,12 +333,15 @@ impl<'e> Tokenization<'e> {
     /// predicts it), tokens after the last sampled one are dropped, the context length checked.
     fn finish(
         &self,
-        mut tokens: Vec<u32>,
-        mut trainable: Vec<bool>,
-        mut logprobs: Vec<f32>,
+        draft: Draft,
         advantage: f64,
         source: SequenceSource,
     ) -> Result<TrainSequence> {
+        let Draft {
+            mut tokens,
+            mut trainable,
+            mut logprobs,
+        } = draft;
         if let Some(first) = trainable.first_mut() {
             *first = false;
         }

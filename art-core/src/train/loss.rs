@@ -1,7 +1,7 @@
 //! The GRPO loss of one micro-batch: PPO-style clipped importance ratios (or CISPO's clipped
 //! weights) against the sampler's logprobs (per token, per sequence as a geometric mean, or a mix
-//! of the two), an optional k3 KL penalty to the
-//! base model, and each token weighted so that summing micro-batches gives the step's loss.
+//! of the two), ART's advantage shaping, an optional k3 KL penalty to a reference policy, and
+//! each token weighted so that summing micro-batches gives the step's loss.
 
 use std::sync::Arc;
 
@@ -422,7 +422,8 @@ pub fn micro_batch_loss(
         .to_dtype(DType::F64)?
         .sum_all()?
         .to_scalar::<f64>()?;
-    let trainer_logprobs: Vec<f32> = new_lp.to_dtype(DType::F32)?.to_vec1()?;
+    // Read from the device once, above.
+    let trainer_logprobs: Vec<f32> = new_values.iter().map(|&x| x as f32).collect();
     Ok(MicroBatchLoss {
         loss,
         policy_loss,
