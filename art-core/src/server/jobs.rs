@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
 use crate::train::list_checkpoints;
-use crate::types::{JobEventKind, TrainingJobEvent};
+use crate::types::{CursorPage, JobEventKind, TrainingJobEvent};
 
 /// The first line of a job's file: what recovery needs to tell how the job ended (with the
 /// `step` its `training_started` event names: the step it computes).
@@ -57,19 +57,16 @@ impl Job {
         events.push(event);
     }
 
-    /// The events after the one with id `after` (all with `None`), at most `limit`, and whether
-    /// more follow.
-    pub fn events(&self, after: Option<usize>, limit: usize) -> (Vec<TrainingJobEvent>, bool) {
+    /// The events after the one with id `after` (all with `None`), at most `limit`.
+    pub fn events(&self, after: Option<usize>, limit: usize) -> CursorPage<TrainingJobEvent> {
         let events = self.events.lock().expect("job events lock");
         let start = after.unwrap_or(0).min(events.len());
-        let rest = &events[start..];
-        let page = rest.iter().take(limit).cloned().collect();
-        (page, rest.len() > limit)
+        CursorPage::of(&events[start..], limit)
     }
 }
 
 /// Every job this server knows: those it started, and those of earlier runs, read back from
-/// their files on first use.
+/// their files when it started.
 pub struct Jobs {
     dir: PathBuf,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
@@ -85,12 +82,16 @@ impl Jobs {
             jobs: Mutex::default(),
             counter: AtomicU64::new(0),
         };
+        let mut earlier = HashMap::new();
         for entry in std::fs::read_dir(&jobs.dir).into_iter().flatten().flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             if let Some(id) = name.strip_suffix(".jsonl") {
-                jobs.load(id);
+                if let Some(job) = jobs.load(id) {
+                    earlier.insert(id.to_string(), Arc::new(job));
+                }
             }
         }
+        *jobs.jobs.lock().expect("jobs lock") = earlier;
         jobs
     }
 
@@ -130,20 +131,9 @@ impl Jobs {
         Ok((id, job))
     }
 
-    /// The job `id`, from memory or from the file an earlier run of the server left.
+    /// The job `id`: one this server started or one an earlier run left.
     pub fn get(&self, id: &str) -> Option<Arc<Job>> {
-        let valid =
-            id.starts_with("job-") && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
-        if !valid {
-            return None;
-        }
-        let mut jobs = self.jobs.lock().expect("jobs lock");
-        if let Some(job) = jobs.get(id) {
-            return Some(job.clone());
-        }
-        let job = Arc::new(self.load(id)?);
-        jobs.insert(id.to_string(), job.clone());
-        Some(job)
+        self.jobs.lock().expect("jobs lock").get(id).cloned()
     }
 
     fn path(&self, id: &str) -> PathBuf {
@@ -163,10 +153,14 @@ impl Jobs {
             .map_while(|line| serde_json::from_str(line).ok())
             .collect();
         let file = OpenOptions::new().append(true).open(self.path(id)).ok();
+        let ended = events.last().is_some_and(|e| e.kind.is_terminal());
         let job = Job {
             events: Mutex::new(events),
             file: Mutex::new(file),
         };
+        if ended {
+            return Some(job);
+        }
         let started = job
             .events
             .lock()
@@ -207,7 +201,7 @@ mod tests {
     use super::*;
 
     fn kinds(job: &Job) -> Vec<JobEventKind> {
-        job.events(None, 100).0.iter().map(|e| e.kind).collect()
+        job.events(None, 100).data.iter().map(|e| e.kind).collect()
     }
 
     #[test]
@@ -222,12 +216,21 @@ mod tests {
         job.push(JobEventKind::GradientStep, object(json!({"loss": 0.5})));
         job.push(JobEventKind::TrainingEnded, object(json!({"step": 1})));
         job.push(JobEventKind::TrainingFailed, Map::new()); // ignored: the job has ended
-        let (page, more) = job.events(Some(1), 1);
+        let CursorPage {
+            data: page,
+            has_more: more,
+        } = job.events(Some(1), 1);
         assert_eq!(
             (page[0].id.as_str(), page[0].kind, more),
             ("2", JobEventKind::GradientStep, true)
         );
-        assert_eq!(job.events(Some(3), 10), (Vec::new(), false));
+        assert_eq!(
+            job.events(Some(3), 10),
+            CursorPage {
+                data: Vec::new(),
+                has_more: false
+            }
+        );
         assert!(Arc::ptr_eq(&jobs.get(&id).unwrap(), &job));
         assert!(jobs.get("job-../../etc").is_none() && jobs.get("nope").is_none());
     }
@@ -259,7 +262,7 @@ mod tests {
             kinds(&job),
             [JobEventKind::TrainingStarted, JobEventKind::TrainingFailed]
         );
-        let message = job.events(Some(1), 1).0[0].data["error_message"].to_string();
+        let message = job.events(Some(1), 1).data[0].data["error_message"].to_string();
         assert!(message.contains("stays at step 3"), "{message}");
         let job = restarted.get(&ended).unwrap();
         assert_eq!(

@@ -143,12 +143,8 @@ fn page<T: Clone>(
                 + 1
         }
     };
-    let limit = limit.unwrap_or(PAGE_LIMIT).max(1);
-    let rest = &items[start..];
-    Ok(CursorPage {
-        data: rest.iter().take(limit).map(|(_, t)| t.clone()).collect(),
-        has_more: rest.len() > limit,
-    })
+    let rest: Vec<T> = items[start..].iter().map(|(_, t)| t.clone()).collect();
+    Ok(CursorPage::of(&rest, limit.unwrap_or(PAGE_LIMIT).max(1)))
 }
 
 pub async fn checkpoints(
@@ -216,6 +212,7 @@ pub async fn delete_checkpoints(
             .copied()
             .filter(|s| !steps.contains(s))
             .collect();
+        not_found_steps.sort_unstable();
         not_found_steps.dedup();
         Ok(DeleteStepsResponse {
             deleted_count: deleted.len(),
@@ -308,8 +305,9 @@ pub async fn job_events(
             ApiError::invalid_param("after", format!("`{after}` is not an event id of this job"))
         })?),
     };
-    let (data, has_more) = job.events(after, query.limit.unwrap_or(PAGE_LIMIT).max(1));
-    Ok(ApiJson(CursorPage { data, has_more }))
+    Ok(ApiJson(
+        job.events(after, query.limit.unwrap_or(PAGE_LIMIT).max(1)),
+    ))
 }
 
 /// The training settings an `experimental_config` asks for, over the server's defaults; a

@@ -50,6 +50,16 @@ pub struct CursorPage<T> {
     pub has_more: bool,
 }
 
+impl<T: Clone> CursorPage<T> {
+    /// The first `limit` of `rest` (the items after the cursor).
+    pub fn of(rest: &[T], limit: usize) -> Self {
+        CursorPage {
+            data: rest.iter().take(limit).cloned().collect(),
+            has_more: rest.len() > limit,
+        }
+    }
+}
+
 /// `DELETE /v1/preview/models/{id}/checkpoints`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DeleteStepsRequest {
