@@ -198,10 +198,10 @@ pub async fn checkpoint_file(
             PEFT_FILES.join(" and ")
         )));
     }
-    if !list_checkpoints(&model.dir).contains(&step) {
+    let steps = list_checkpoints(&model.dir);
+    if !steps.contains(&step) {
         return Err(ApiError::not_found(format!(
-            "`{name}` has no checkpoint of step {step} (it has {:?})",
-            list_checkpoints(&model.dir)
+            "`{name}` has no checkpoint of step {step} (it has {steps:?})"
         )));
     }
     let path = crate::train::checkpoint_dir(&model.dir, step).join(&file);
