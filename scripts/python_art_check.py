@@ -192,10 +192,34 @@ async def checks(server: Server, work: str, report: dict) -> None:
     await expect(openai.NotFoundError, lambda: sample(client, f"{name}:step1"))
     assert (await sample(client, f"{name}:step2")).choices[0].message is not None
 
+    # Supervised fine-tuning through ART's own SFT job client, on a JSONL file written as
+    # ServerlessBackend._train_sft writes it (W&B's artifact upload replaced by a file URL).
+    data = os.path.join(work, "sft.jsonl")
+    with open(data, "w") as f:
+        for question, answer in [("2+2?", "4"), ("3+3?", "6"), ("5+4?", "9")]:
+            trajectory = art.Trajectory(
+                messages_and_choices=[{"role": "user", "content": question},
+                                      {"role": "assistant", "content": answer}],
+                reward=0.0)
+            f.write(json.dumps({"messages": trajectory.messages()}) + "\n")
+    job = await backend._client.sft_training_jobs.create(
+        model_id=model.id, training_data_url=f"file://{data}",
+        config={"batch_size": 2, "learning_rate": 1e-5, "assistant_turns": "all"})
+    kinds = []
+    while not kinds or kinds[-1] not in ("training_ended", "training_failed"):
+        await asyncio.sleep(0.2)
+        async for event in backend._client.sft_training_jobs.events.list(
+                training_job_id=job.id, after=str(len(kinds)) if kinds else openai.NOT_GIVEN):
+            kinds.append(event.type)
+    assert kinds == ["training_started", "gradient_step", "gradient_step", "training_ended"], kinds
+    assert await model.get_step() == 3
+    assert (await sample(client, f"{name}:step3")).choices[0].message is not None
+    report["sft_events"] = kinds
+
     await backend.delete(model)
     await expect(openai.NotFoundError, lambda: sample(client, name))
     await expect(openai.NotFoundError, model.get_step)
-    report["steps"] = 2
+    report["steps"] = 3
 
     # A server killed during a training job, then restarted on the same port: the client's
     # poll ends (failed, or completed when the checkpoint was written), it does not hang.

@@ -261,7 +261,7 @@ fn sequences(
                 sampler_logprobs,
                 advantage: advantage.unwrap_or(if r % 2 == 0 { 1.0 } else { -1.0 }),
                 source: SequenceSource {
-                    group: 0,
+                    group: Some(0),
                     trajectory: r,
                     history: None,
                 },

@@ -164,7 +164,7 @@ fn main() {
                 sampler_logprobs,
                 advantage: if r % 2 == 0 { 1.0 } else { -1.0 },
                 source: SequenceSource {
-                    group: 0,
+                    group: Some(0),
                     trajectory: r,
                     history: None,
                 },

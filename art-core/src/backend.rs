@@ -19,8 +19,8 @@ use crate::store::{HistoryEntry, LoggedMetrics, MetricGoal};
 use crate::telemetry;
 use crate::types::{
     CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse, HistoryList, LoraConfig,
-    Split, StepResult, TrainConfig, TrainEvent, TrainProgress, TrajectoryGroup,
-    TrajectoryGroupList,
+    SftBatchMetrics, SftConfig, SftEvent, SftResult, Split, StepResult, TrainConfig, TrainEvent,
+    TrainProgress, Trajectory, TrajectoryGroup, TrajectoryGroupList,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -440,10 +440,82 @@ impl TrainableModel {
             trajectory_groups: groups,
             config,
         };
-        let mut response = self
+        let response = self
             .http
             .post_streaming(&format!("/art/models/{}/train", self.name), &request)
             .await?;
+        self.read_events(response, |event| match event {
+            TrainEvent::Progress(progress) => {
+                on_progress(&progress);
+                None
+            }
+            TrainEvent::Result(result) => Some(Ok(*result)),
+            TrainEvent::Error { message } => Some(Err(BackendError::TrainFailed(message))),
+        })
+        .await
+    }
+
+    /// Supervised fine-tuning (ART's `train_sft`) on `trajectories`: their assistant turns are
+    /// learnt by cross-entropy, one optimizer step per `config.batch_size` of them, and one new
+    /// checkpoint at the end, served at once as `name@step` and `name`. Data the backend cannot
+    /// train on (no assistant turn, too long, bad config) is refused before anything changes.
+    pub async fn train_sft(
+        &self,
+        trajectories: &[Trajectory],
+        config: &SftConfig,
+    ) -> Result<SftResult, BackendError> {
+        self.train_sft_with_progress(trajectories, config, |_| {})
+            .await
+    }
+
+    /// As [`TrainableModel::train_sft`], calling `on_batch` as each batch's update is done.
+    pub async fn train_sft_with_progress(
+        &self,
+        trajectories: &[Trajectory],
+        config: &SftConfig,
+        mut on_batch: impl FnMut(&SftBatchMetrics),
+    ) -> Result<SftResult, BackendError> {
+        let span = telemetry::start(
+            "train_sft",
+            SpanKind::Client,
+            vec![
+                KeyValue::new("art.model", self.name.clone()),
+                KeyValue::new("art.trajectories", trajectories.len() as i64),
+            ],
+        );
+        let work = async {
+            let request = SftRequestRef {
+                trajectories,
+                config,
+            };
+            let response = self
+                .http
+                .post_streaming(&format!("/art/models/{}/train_sft", self.name), &request)
+                .await?;
+            self.read_events(response, |event| match event {
+                SftEvent::Started { .. } => None,
+                SftEvent::Batch(batch) => {
+                    on_batch(&batch);
+                    None
+                }
+                SftEvent::Result(result) => Some(Ok(*result)),
+                SftEvent::Error { message } => Some(Err(BackendError::TrainFailed(message))),
+            })
+            .await
+        };
+        telemetry::in_span(span, work, |result| {
+            vec![KeyValue::new("art.step", result.step as i64)]
+        })
+        .await
+    }
+
+    /// Reads a training call's NDJSON answer, giving each event to `handle` until it returns
+    /// the outcome.
+    async fn read_events<E: DeserializeOwned, T>(
+        &self,
+        mut response: reqwest::Response,
+        mut handle: impl FnMut(E) -> Option<Result<T, BackendError>>,
+    ) -> Result<T, BackendError> {
         let unreachable = |message: String| BackendError::Unreachable {
             url: self.http.base_url.clone(),
             message,
@@ -452,15 +524,11 @@ impl TrainableModel {
         loop {
             while let Some(end) = buffer.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = buffer.drain(..=end).collect();
-                let event: TrainEvent = serde_json::from_slice(&line).map_err(|e| {
+                let event: E = serde_json::from_slice(&line).map_err(|e| {
                     unreachable(format!("unexpected line in the training stream ({e})"))
                 })?;
-                match event {
-                    TrainEvent::Progress(progress) => on_progress(&progress),
-                    TrainEvent::Result(result) => return Ok(*result),
-                    TrainEvent::Error { message } => {
-                        return Err(BackendError::TrainFailed(message))
-                    }
+                if let Some(outcome) = handle(event) {
+                    return outcome;
                 }
             }
             match response.chunk().await {
@@ -602,6 +670,13 @@ impl TrainableModel {
 struct LogRequestRef<'a> {
     trajectory_groups: &'a [TrajectoryGroup],
     split: Split,
+}
+
+/// The SFT request as sent, borrowed.
+#[derive(Serialize)]
+struct SftRequestRef<'a> {
+    trajectories: &'a [Trajectory],
+    config: &'a SftConfig,
 }
 
 /// The train request as sent: borrowed, so a client's groups are not copied.

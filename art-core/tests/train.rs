@@ -19,10 +19,10 @@ use art_core::train::{
     TrainSequence, Trainer,
 };
 use art_core::types::{
-    AssistantMessage, Choice, ChoiceLogprobs, Content, FunctionCall, FunctionDefinition,
-    ImportanceSamplingLevel, KlPenaltySource, LoraConfig, LossFn, Message, MessageOrChoice,
-    SystemMessage, TokenLogprob, Tool, ToolCall, ToolMessage, TrainConfig, Trajectory,
-    TrajectoryGroup, UserMessage,
+    AssistantMessage, AssistantTurns, Choice, ChoiceLogprobs, Content, FunctionCall,
+    FunctionDefinition, ImportanceSamplingLevel, KlPenaltySource, LearningRate, LoraConfig, LossFn,
+    Message, MessageOrChoice, SftConfig, SftEvent, SystemMessage, TokenLogprob, Tool, ToolCall,
+    ToolMessage, TrainConfig, Trajectory, TrajectoryGroup, UserMessage,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ fn text_choice(engine: &Engine, text: &str) -> Choice {
 
 fn default_source() -> SequenceSource {
     SequenceSource {
-        group: 0,
+        group: Some(0),
         trajectory: 0,
         history: None,
     }
@@ -1382,7 +1382,8 @@ fn fixture_logits(engine: &Engine, input: &Tensor, adapter: Option<&LoraAdapter>
 }
 
 /// Regenerates the fixture of `scripts/peft_parity.py`: a tiny random Qwen2 model, an adapter
-/// from three real GRPO steps on it, and our logits with and without the adapter.
+/// from three real GRPO steps and one supervised fine-tuning call on it, and our logits with and
+/// without the adapter.
 #[test]
 #[ignore = "writes tests/fixtures/peft_parity; run when the model or adapter format changes"]
 fn write_peft_parity_fixture() {
@@ -1418,7 +1419,13 @@ fn write_peft_parity_fixture() {
             .collect();
         trainer.train(&groups, &config, |_| {}).unwrap();
     }
-    let checkpoint = art_core::train::checkpoint_dir(&model_dir, 3);
+    let sft = SftConfig {
+        learning_rate: LearningRate::Constant(5e-2),
+        ..Default::default()
+    };
+    let data = [qa("hello", "there"), qa("the cat", "sat on the mat")];
+    assert_eq!(trainer.train_sft(&data, &sft, |_| {}).unwrap().step, 4);
+    let checkpoint = art_core::train::checkpoint_dir(&model_dir, 4);
     std::fs::create_dir_all(out.join("adapter")).unwrap();
     for f in ["adapter_config.json", "adapter_model.safetensors"] {
         std::fs::copy(checkpoint.join(f), out.join("adapter").join(f)).unwrap();
@@ -1451,8 +1458,7 @@ fn write_peft_parity_fixture() {
         .unwrap();
 }
 
-/// Our engine still computes the fixture's logits from its model and adapter; and, when
-/// `ART_PEFT_PYTHON` names a Python with torch, transformers and peft, so does PEFT.
+/// Our engine still computes the fixture's logits from its model and adapter.
 #[test]
 fn peft_parity_fixture() {
     let dir = peft_fixture_dir();
@@ -1481,10 +1487,17 @@ fn peft_parity_fixture() {
             .unwrap();
         assert!(diff < 1e-5, "{name}: {diff}");
     }
-    let Ok(python) = std::env::var("ART_PEFT_PYTHON") else {
-        eprintln!("ART_PEFT_PYTHON not set: skipping the comparison with Python peft");
-        return;
-    };
+}
+
+/// Python `peft` loads the fixture's adapter on its model and computes our logits.
+#[test]
+#[ignore = "needs ART_PEFT_PYTHON: a Python with torch, transformers and peft (several GB with \
+            PyPI's CUDA wheels of torch, so CI does not install it); run by hand after \
+            write_peft_parity_fixture"]
+fn python_peft_computes_the_fixtures_logits() {
+    let dir = peft_fixture_dir();
+    let python = std::env::var("ART_PEFT_PYTHON")
+        .expect("set ART_PEFT_PYTHON to a Python with torch, transformers and peft");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/peft_parity.py");
     let out = std::process::Command::new(python)
         .arg(script)
@@ -1570,4 +1583,157 @@ fn captured_calls_train_on_their_exact_tokens_and_turns_join() {
         .unwrap_err()
         .to_string();
     assert!(error.contains("Responses API"), "{error}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Supervised fine-tuning
+
+fn qa(question: &str, answer: &str) -> Trajectory {
+    Trajectory::new([user(question), Message::Assistant(text_message(answer))])
+}
+
+/// The assistant turns are learnt (their end-of-turn token included), with `last` only the
+/// final one; a sampled choice keeps its exact tokens; the rest is context.
+#[test]
+fn sft_learns_the_assistant_turns_it_is_asked_to() {
+    let (_dir, engine) = tiny_engine(Architecture::Qwen2, None);
+    let template = chat_template_for(&engine).unwrap();
+    let sampled = text_choice(&engine, "second");
+    let mut conversation = qa("one?", "first");
+    conversation.push_message(user("two?"));
+    conversation.push_choice(sampled.clone());
+    let learnt = |turns: AssistantTurns| -> Vec<u32> {
+        let config = SftConfig {
+            assistant_turns: turns,
+            ..Default::default()
+        };
+        let tokenization = Tokenization::for_sft(&engine, template.clone(), &config);
+        let seq = tokenization
+            .trajectory_sequences(&conversation, 0.0, default_source())
+            .unwrap()
+            .remove(0);
+        assert!(seq.sampler_logprobs.iter().all(|lp| lp.is_nan()));
+        seq.tokens
+            .iter()
+            .zip(&seq.trainable)
+            .filter(|(_, &t)| t)
+            .map(|(&id, _)| id)
+            .collect()
+    };
+    let mut first = engine.encode("first", false).unwrap();
+    first.push(CHATML_END_ID);
+    let second = sampled.token_ids.clone().unwrap();
+    assert_eq!(learnt(AssistantTurns::Last), second);
+    assert_eq!(learnt(AssistantTurns::All), [first, second].concat());
+}
+
+/// The loss of an SFT batch is the mean cross-entropy of its learnt tokens, as computed from
+/// the model's logits directly; repeated calls lower it; each call is one checkpoint, served.
+#[test]
+fn sft_lowers_the_cross_entropy_of_its_data() {
+    let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F32));
+    let model_dir = TempDir::new("sft");
+    let mut trainer = Trainer::new(engine.clone(), model_dir.to_path_buf(), "s", &lora(4)).unwrap();
+    let data = [qa("2+2?", "four"), qa("3+3?", "six"), qa("4+4?", "eight")];
+    let config = SftConfig {
+        learning_rate: LearningRate::Constant(2e-2),
+        batch_size: 3,
+        ..Default::default()
+    };
+
+    // The reference: -mean log p of the learnt tokens, from the logits of a plain forward.
+    let tokenization = Tokenization::for_sft(&engine, trainer.chat_template().clone(), &config);
+    let mut nll = 0.0;
+    let mut count = 0;
+    for trajectory in &data {
+        let seq = tokenization
+            .trajectory_sequences(trajectory, 0.0, default_source())
+            .unwrap()
+            .remove(0);
+        let input = Tensor::new(seq.tokens.as_slice(), engine.device())
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let fwd = art_core::engine::Forward {
+            adapter: Some(trainer.adapter()),
+            train: false,
+            quantized: false,
+        };
+        let logits = engine.model().forward_full(&input, fwd).unwrap();
+        let logprobs =
+            art_core::engine::candle_nn::ops::log_softmax(&logits.squeeze(0).unwrap(), 1)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+        for i in 1..seq.len() {
+            if seq.trainable[i] {
+                nll -= f64::from(logprobs[i - 1][seq.tokens[i] as usize]);
+                count += 1;
+            }
+        }
+    }
+    let reference = nll / count as f64;
+
+    let mut losses = Vec::new();
+    for call in 1..=3u64 {
+        let mut events = Vec::new();
+        let result = trainer
+            .train_sft(&data, &config, |e| events.push(e))
+            .unwrap();
+        assert_eq!(result.step, call);
+        assert_eq!(result.batches.len(), 1);
+        assert!(matches!(events[0], SftEvent::Started { batches: 1, .. }));
+        assert!(list_checkpoints(&model_dir).contains(&call));
+        assert!(engine.adapter(&format!("s@{call}")).is_some());
+        losses.push(result.batches[0].loss);
+    }
+    assert!(
+        (losses[0] - reference).abs() < 1e-4 * reference,
+        "the SFT loss {} is the mean cross-entropy {reference}",
+        losses[0]
+    );
+    assert!(losses[2] < losses[0] * 0.9, "{losses:?}");
+}
+
+/// Bad data is refused before any update; an update that goes wrong halfway (here a learning
+/// rate that blows the weights up) puts the adapter back as its checkpoint has it.
+#[test]
+fn a_failed_sft_call_changes_nothing() {
+    let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F32));
+    let model_dir = TempDir::new("sft-fail");
+    let mut trainer = Trainer::new(engine.clone(), model_dir.to_path_buf(), "f", &lora(4)).unwrap();
+    let data = [qa("a", "b"), qa("c", "d")];
+    let quick = SftConfig {
+        learning_rate: LearningRate::Constant(1e-2),
+        ..Default::default()
+    };
+    trainer.train_sft(&data, &quick, |_| {}).unwrap();
+    let weights = |trainer: &Trainer| -> Vec<Vec<f32>> {
+        trainer
+            .adapter()
+            .named_vars()
+            .iter()
+            .map(|(_, v)| v.as_tensor().flatten_all().unwrap().to_vec1().unwrap())
+            .collect()
+    };
+    let before = weights(&trainer);
+
+    let no_answer = Trajectory::new([user("question only")]);
+    let err = trainer
+        .train_sft(&[qa("x", "y"), no_answer], &quick, |_| {})
+        .unwrap_err();
+    assert!(matches!(err, TrainError::NothingToLearn { .. }), "{err}");
+    assert!(err.to_string().contains("trajectory 1"), "{err}");
+
+    let exploding = SftConfig {
+        learning_rate: LearningRate::PerBatch(vec![1e30, 1e-3]),
+        batch_size: 1,
+        ..Default::default()
+    };
+    let err = trainer.train_sft(&data, &exploding, |_| {}).unwrap_err();
+    assert!(matches!(err, TrainError::NonFinite { .. }), "{err}");
+    assert_eq!(trainer.step(), 1);
+    assert_eq!(weights(&trainer), before);
+    // And it trains on from there.
+    assert_eq!(trainer.train_sft(&data, &quick, |_| {}).unwrap().step, 2);
 }

@@ -6,8 +6,8 @@ use std::process::Stdio;
 
 use art_core::{
     gather_trajectory_groups, Backend, BackendError, ChatCompletionRequest, GatherOptions,
-    LocalBackend, LocalBackendOptions, Message, RemoteBackend, TrainConfig, TrainableModel,
-    Trajectory, TrajectoryGroup,
+    LocalBackend, LocalBackendOptions, Message, RemoteBackend, SftConfig, TrainConfig,
+    TrainableModel, Trajectory, TrajectoryGroup,
 };
 use art_e2e::{tiny_model, TempDir};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -138,6 +138,43 @@ async fn local_backend_serves_a_registered_model() {
         .path()
         .join(".art/e2e/models/agent-001/checkpoints/0001")
         .exists());
+
+    // Supervised fine-tuning: three written conversations in batches of two make two updates
+    // and one new step, served at once.
+    let conversation = |question: &str, answer: &str| {
+        Trajectory::new([Message::user(question), Message::assistant(answer)])
+    };
+    let data = [
+        conversation("2+2?", "4"),
+        conversation("3+3?", "6"),
+        conversation("4+4?", "8"),
+    ];
+    let mut batches = Vec::new();
+    let sft = model
+        .train_sft_with_progress(&data, &SftConfig::default(), |b| batches.push(b.clone()))
+        .await
+        .unwrap();
+    assert_eq!((sft.step, sft.batches.len()), (3, 2));
+    assert_eq!(batches, sft.batches);
+    assert_eq!(sft.adapter_name, "agent-001@3");
+    assert_eq!(model.get_step().await.unwrap(), 3);
+    let sft_history = model.history().await.unwrap();
+    assert!(
+        sft_history
+            .iter()
+            .any(|e| e.step == 3 && e.split == "sft" && e.metrics.contains_key("loss")),
+        "{sft_history:?}"
+    );
+    // A conversation with nothing to learn is refused, and nothing changes.
+    let refused = model
+        .train_sft(&[written("no answer", 0.0)], &SftConfig::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, BackendError::Api { status: 400, message, .. } if message.contains("nothing to learn")),
+        "{refused}"
+    );
+    assert_eq!(model.get_step().await.unwrap(), 3);
 
     // Registering again reconnects; another LoRA shape under the same name is refused.
     let again = TrainableModel::register(&backend, "agent-001", "e2e")

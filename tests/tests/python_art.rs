@@ -1,7 +1,7 @@
 //! OpenPipe ART's own Python package (openpipe-art 0.5.23, unmodified) trains on `art serve`
 //! through its ServerlessBackend: scripts/python_art_check.py starts the server itself (it kills
-//! and restarts it), registers, samples, trains two steps, logs, deletes, and checks the bad
-//! paths. About 20 s on two cores.
+//! and restarts it), registers, samples, trains two GRPO steps and an SFT job, logs, deletes, and
+//! checks the bad paths. About 20 s on two cores.
 
 use art_e2e::{python_check, smollm2};
 

@@ -267,3 +267,104 @@ async fn python_arts_serverless_api_registers_trains_and_lists() {
     let (status, _) = client.get("/preview/training-jobs/job-0-0/events").await;
     assert_eq!(status, 404);
 }
+
+/// ART's `sft_training_jobs` on a JSONL file: batches as gradient steps, one checkpoint, and the
+/// data errors a client can make. About 1 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn sft_jobs_learn_a_jsonl_file() {
+    let server = TestServer::tiny(|_| {}).await;
+    let client = Client {
+        http: reqwest::Client::new(),
+        base: server.base_url.clone(),
+    };
+    let (status, model) = client
+        .post(
+            "/preview/models",
+            json!({"project": "proj", "name": "sft", "base_model": "tiny"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{model}");
+
+    // As ART's ServerlessBackend writes it: `messages` and (optional) `tools` per line.
+    let data = art_e2e::TempDir::new("sft-data");
+    let lines: Vec<String> = ["2+2", "3+3", "4+4"]
+        .iter()
+        .map(|q| {
+            json!({"messages": [{"role": "user", "content": q},
+                                {"role": "assistant", "content": "a number"}]})
+            .to_string()
+        })
+        .collect();
+    let file = data.path().join("train.jsonl");
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let job = |url: String, config: Value| {
+        client.post(
+            "/preview/sft-training-jobs",
+            json!({"model_id": "sft", "training_data_url": url, "config": config}),
+        )
+    };
+    let (status, created) = job(
+        format!("file://{}", file.display()),
+        json!({"batch_size": 2, "learning_rate": [1e-3, 5e-4], "assistant_turns": "all"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{created}");
+    let events = client
+        .events_until_done(created["id"].as_str().unwrap())
+        .await;
+    assert_eq!(
+        kinds(&events),
+        [
+            "training_started",
+            "gradient_step",
+            "gradient_step",
+            "training_ended"
+        ]
+    );
+    assert_eq!(events[0]["data"], json!({"num_sequences": 2, "step": 1}));
+    assert_eq!(events[2]["data"]["learning_rate"], json!(5e-4));
+    assert!(events[1]["data"]["loss"].as_f64().unwrap() > 0.0);
+    let (_, page) = client.get("/preview/models/sft/checkpoints").await;
+    assert_eq!(page["data"][0]["step"], json!(1), "{page}");
+    let (status, _) = client
+        .sample("wandb-artifact:///local/proj/sft:step1")
+        .await;
+    assert_eq!(status, 200);
+
+    // Bad data is refused before a job starts, saying what to fix (never quoting the file).
+    let bad_line = data.path().join("bad.jsonl");
+    std::fs::write(&bad_line, format!("{}\n{{\"messages\": 7}}\n", lines[0])).unwrap();
+    let not_jsonl = data.path().join("train.txt");
+    std::fs::write(&not_jsonl, "secret").unwrap();
+    for (url, config, expected) in [
+        (
+            "wandb-artifact:///e/p/data:v0".to_string(),
+            json!({}),
+            "file:///",
+        ),
+        (
+            format!("file://{}", data.path().join("missing.jsonl").display()),
+            json!({}),
+            "cannot read",
+        ),
+        (not_jsonl.display().to_string(), json!({}), "not a .jsonl"),
+        (
+            format!("file://{}", bad_line.display()),
+            json!({}),
+            "line 2",
+        ),
+        (
+            format!("file://{}", file.display()),
+            json!({"learning_rate": [1e-3]}),
+            "one rate per batch",
+        ),
+    ] {
+        let (status, error) = job(url.clone(), config).await;
+        assert_eq!(status, 400, "{url}: {error}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(message.contains(expected), "{url}: {message}");
+        assert!(!message.contains("secret"), "{message}");
+    }
+    let (_, page) = client.get("/preview/models/sft/checkpoints").await;
+    assert_eq!(page["data"].as_array().unwrap().len(), 1);
+}

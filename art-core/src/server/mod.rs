@@ -143,6 +143,7 @@ pub fn router(state: AppState) -> Router {
         .route("/art/models", post(art::register))
         .route("/art/models/{name}", get(art::get_model))
         .route("/art/models/{name}/train", post(training::train))
+        .route("/art/models/{name}/train_sft", post(training::train_sft))
         .route("/art/models/{name}/checkpoints", get(training::checkpoints))
         .route(
             "/art/models/{name}/checkpoints/{step}/files/{file}",
@@ -162,6 +163,10 @@ pub fn router(state: AppState) -> Router {
             get(preview::checkpoints).delete(preview::delete_checkpoints),
         )
         .route("/preview/training-jobs", post(preview::create_training_job))
+        .route(
+            "/preview/sft-training-jobs",
+            post(preview::create_sft_training_job),
+        )
         .route(
             "/preview/training-jobs/{id}/events",
             get(preview::job_events),

@@ -12,15 +12,16 @@ use crate::backend::RegisterRequest;
 use crate::train::{checkpoint_metrics, list_checkpoints, Trainer};
 use crate::types::{
     CursorPage, DeleteStepsRequest, DeleteStepsResponse, ExperimentalConfig, JobEventKind,
-    LogRequest, PreviewCheckpoint, PreviewModel, PreviewModelRequest, TrainConfig, TrainingJob,
-    TrainingJobEvent, TrainingJobRequest,
+    LogRequest, Message, PreviewCheckpoint, PreviewModel, PreviewModelRequest, SftEvent,
+    SftRequest, SftTrainingJobRequest, Tool, TrainConfig, TrainingJob, TrainingJobEvent,
+    TrainingJobRequest, Trajectory,
 };
 
 use super::art::{register_model, RegisteredModel};
 use super::error::{ApiError, ApiJson};
 use super::jobs::object;
 use super::state::AppState;
-use super::training::{run_step, step_span, train_error};
+use super::training::{check_sft_request, run_sft, run_step, sft_span, step_span, train_error};
 
 /// The entity a model gets when the client names none (W&B would use the user's default team).
 const DEFAULT_ENTITY: &str = "local";
@@ -282,6 +283,126 @@ pub async fn create_training_job(
         }
     });
     Ok(ApiJson(TrainingJob { id }))
+}
+
+/// Starts supervised fine-tuning on the conversations of `training_data_url` and answers at
+/// once with the job's id. The data is read and the settings checked first (a 400 starts
+/// nothing); the job's `training_started` counts its batches (`num_sequences`, as ART reads it),
+/// each batch is a `gradient_step`, and one checkpoint ends it.
+pub async fn create_sft_training_job(
+    State(state): State<AppState>,
+    ApiJson(request): ApiJson<SftTrainingJobRequest>,
+) -> Result<ApiJson<TrainingJob>, ApiError> {
+    let model = state.registered_or_404(&request.model_id)?;
+    let trajectories = read_sft_data(&request.training_data_url)
+        .await
+        .map_err(|e| ApiError::invalid_param("training_data_url", e))?;
+    let sft = SftRequest {
+        trajectories,
+        config: request.config.unwrap_or_default().sft_config(),
+    };
+    check_sft_request(&sft)?;
+    let (id, job) = state
+        .jobs
+        .create(&request.model_id, &model.dir)
+        .map_err(|e| ApiError::internal(format!("cannot record the training job: {e}")))?;
+    let span = sft_span(&request.model_id, sft.trajectories.len());
+    tokio::task::spawn_blocking(move || {
+        let outcome = run_sft(
+            &model,
+            &sft.trajectories,
+            &sft.config,
+            span,
+            |event| match event {
+                SftEvent::Started { step, batches, .. } => {
+                    let data = json!({"num_sequences": batches, "step": step});
+                    job.push(JobEventKind::TrainingStarted, object(data));
+                }
+                SftEvent::Batch(m) => {
+                    let data = json!({
+                        "loss": m.loss,
+                        "grad_norm": m.grad_norm,
+                        "learning_rate": m.learning_rate,
+                        "num_trajectories": m.num_trajectories,
+                        "num_trainable_tokens": m.num_trainable_tokens,
+                    });
+                    job.push(JobEventKind::GradientStep, object(data));
+                }
+                SftEvent::Result(_) | SftEvent::Error { .. } => {}
+            },
+        );
+        match outcome {
+            Ok(result) => job.push(
+                JobEventKind::TrainingEnded,
+                object(json!({"step": result.step})),
+            ),
+            Err(e) => job.push(
+                JobEventKind::TrainingFailed,
+                object(json!({"error_message": e.to_string()})),
+            ),
+        }
+    });
+    Ok(ApiJson(TrainingJob { id }))
+}
+
+/// One line of an SFT data file, as ART writes it.
+#[derive(Deserialize)]
+struct SftLine {
+    messages: Vec<Message>,
+    #[serde(default)]
+    tools: Option<Vec<Tool>>,
+}
+
+/// The conversations of an SFT data file: `file://` (or a bare absolute path) on this machine,
+/// or `http(s)://`. The error says what to fix; it never quotes the file (which could be any
+/// file the server can read).
+async fn read_sft_data(url: &str) -> Result<Vec<Trajectory>, String> {
+    let text = if url.starts_with("http://") || url.starts_with("https://") {
+        let response = reqwest::get(url)
+            .await
+            .and_then(|r| r.error_for_status())
+            .map_err(|e| format!("cannot download `{url}`: {e}"))?;
+        response
+            .text()
+            .await
+            .map_err(|e| format!("cannot download `{url}`: {e}"))?
+    } else if let Some(path) = url
+        .strip_prefix("file://")
+        .or(Some(url).filter(|u| u.starts_with('/')))
+    {
+        if !path.ends_with(".jsonl") {
+            return Err(format!(
+                "`{path}` is not a .jsonl file: the data is one JSON conversation per line"
+            ));
+        }
+        tokio::fs::read_to_string(path)
+            .await
+            .map_err(|e| format!("cannot read `{path}`: {e}"))?
+    } else {
+        return Err(format!(
+            "`{url}` cannot be read by this server: give a file:///absolute/path.jsonl on the \
+             server's machine or an http(s):// URL (W&B artifacts are not reachable from here)"
+        ));
+    };
+    let mut trajectories = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parsed: SftLine = serde_json::from_str(line).map_err(|e| {
+            format!(
+                "line {} is not a conversation ({:?} error at column {}): each line must be \
+                 {{\"messages\": [...], \"tools\": [...]}}",
+                n + 1,
+                e.classify(),
+                e.column()
+            )
+        })?;
+        let mut trajectory = Trajectory::new(parsed.messages);
+        trajectory.tools = parsed.tools;
+        trajectories.push(trajectory);
+    }
+    Ok(trajectories)
 }
 
 #[derive(Debug, Deserialize)]

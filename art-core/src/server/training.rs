@@ -6,6 +6,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
+use serde::Serialize;
 use tokio::sync::mpsc;
 
 use opentelemetry::trace::SpanKind;
@@ -15,8 +16,9 @@ use crate::store::best_step;
 use crate::telemetry;
 use crate::train::{checkpoint_metrics, list_checkpoints, TrainError, Trainer};
 use crate::types::{
-    CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse,
-    StepResult, TrainConfig, TrainEvent, TrainProgress, TrainRequest, TrajectoryGroup,
+    CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse, SftConfig,
+    SftEvent, SftRequest, SftResult, StepMetrics, StepResult, TrainConfig, TrainEvent,
+    TrainProgress, TrainRequest, Trajectory, TrajectoryGroup,
 };
 
 use super::art::RegisteredModel;
@@ -41,27 +43,74 @@ pub async fn train(
         ));
     }
 
-    // The step runs on a blocking thread; events come back over a channel. Steps of one model
-    // queue on its trainer's lock. A client that goes away does not stop a step: its checkpoint
-    // is still written, and the next get_step shows it.
-    let (events, mut received) = mpsc::unbounded_channel::<Result<TrainEvent, TrainError>>();
     let span = step_span(&name, request.trajectory_groups.len());
+    ndjson_events(
+        move |emit| {
+            run_step(
+                &model,
+                &request.trajectory_groups,
+                &request.config,
+                span,
+                |p| emit(TrainEvent::Progress(p)),
+            )
+            .map(|result| TrainEvent::Result(Box::new(result)))
+        },
+        |message| TrainEvent::Error { message },
+    )
+    .await
+}
+
+/// `POST /v1/art/models/{name}/train_sft`: supervised fine-tuning, its progress streamed as
+/// NDJSON ([`SftEvent`] per line) as a GRPO step's is.
+pub async fn train_sft(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    ApiJson(request): ApiJson<SftRequest>,
+) -> Result<Response, ApiError> {
+    let model = state.registered_or_404(&name)?;
+    check_sft_request(&request)?;
+    let span = sft_span(&name, request.trajectories.len());
+    ndjson_events(
+        move |emit| {
+            run_sft(&model, &request.trajectories, &request.config, span, emit)
+                .map(|result| SftEvent::Result(Box::new(result)))
+        },
+        |message| SftEvent::Error { message },
+    )
+    .await
+}
+
+/// What can be said about an SFT request before it queues for the trainer.
+pub(super) fn check_sft_request(request: &SftRequest) -> Result<(), ApiError> {
+    if request.trajectories.is_empty() {
+        return Err(ApiError::invalid_param(
+            "trajectories",
+            "no trajectories to learn from",
+        ));
+    }
+    request
+        .config
+        .validate(request.trajectories.len())
+        .map_err(|e| ApiError::invalid_param("config", e.to_string()))
+}
+
+/// Runs `work` on a blocking thread and answers with the events it emits, one JSON per line.
+/// Work of one model queues on its trainer's lock; a client that goes away does not stop it
+/// (its checkpoint is still written, and the next get_step shows it). The first event, sent once
+/// the work has accepted its input, starts the stream: a failure before it is an HTTP error (a
+/// 400 for a bad request), one after it an `error_line`.
+async fn ndjson_events<E: Serialize + Send + 'static>(
+    work: impl FnOnce(&mut dyn FnMut(E)) -> Result<E, TrainError> + Send + 'static,
+    error_line: fn(String) -> E,
+) -> Result<Response, ApiError> {
+    let (events, mut received) = mpsc::unbounded_channel::<Result<E, TrainError>>();
     tokio::task::spawn_blocking(move || {
         let progress = events.clone();
-        let outcome = run_step(
-            &model,
-            &request.trajectory_groups,
-            &request.config,
-            span,
-            |p| {
-                let _ = progress.send(Ok(TrainEvent::Progress(p)));
-            },
-        );
-        let _ = events.send(outcome.map(|result| TrainEvent::Result(Box::new(result))));
+        let outcome = work(&mut |event| {
+            let _ = progress.send(Ok(event));
+        });
+        let _ = events.send(outcome);
     });
-
-    // The trainer reports once the batch is prepared (or fails to be): a rejected batch is an
-    // HTTP error, an accepted one starts the stream.
     let first = match received.recv().await {
         Some(Ok(event)) => event,
         Some(Err(e)) => return Err(train_error(e)),
@@ -73,14 +122,12 @@ pub async fn train(
     };
     let lines = futures::stream::unfold(
         (Some(first), received),
-        |(pending, mut received)| async move {
+        move |(pending, mut received)| async move {
             let event = match pending {
                 Some(event) => event,
                 None => match received.recv().await? {
                     Ok(event) => event,
-                    Err(e) => TrainEvent::Error {
-                        message: e.to_string(),
-                    },
+                    Err(e) => error_line(e.to_string()),
                 },
             };
             let mut line = serde_json::to_vec(&event).expect("train events serialize");
@@ -128,30 +175,69 @@ pub(super) fn run_step(
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let outcome = trainer.train(groups, config, on_progress);
     if let Ok(result) = &outcome {
-        model
-            .step
-            .store(result.step, std::sync::atomic::Ordering::SeqCst);
-        // The step's metrics go to history.jsonl (split `train`, at the new step) for the
-        // loss and gradient-norm curves. The checkpoint is already written: a history that
-        // cannot be appended to is reported, not a failed step.
-        if let Err(e) =
-            model
-                .store
-                .append_history(result.step, "train", result.metrics.history_metrics())
-        {
-            eprintln!(
-                "art serve: step {} of `{}`: {e}",
-                result.step, model.info.name
-            );
-        }
+        publish_step(model, result.step, "train", &result.metrics);
     }
     telemetry::end_with(&span, &outcome, |result| {
-        let metrics = result.metrics.history_metrics().into_iter();
-        std::iter::once(KeyValue::new("art.step", result.step as i64))
-            .chain(metrics.map(|(name, value)| KeyValue::new(format!("art.train.{name}"), value)))
-            .collect()
+        step_attributes(result.step, "train", &result.metrics)
     });
     outcome
+}
+
+/// A `train_sft` span, as [`step_span`] for a supervised call.
+pub(super) fn sft_span(model: &str, trajectories: usize) -> opentelemetry::Context {
+    telemetry::start(
+        "train_sft",
+        SpanKind::Server,
+        vec![
+            KeyValue::new("art.model", model.to_string()),
+            KeyValue::new("art.trajectories", trajectories as i64),
+        ],
+    )
+}
+
+/// Supervised fine-tuning of `model`, on the calling (blocking) thread, as [`run_step`] runs a
+/// GRPO step; its metrics go to the history as split `sft`.
+pub(super) fn run_sft(
+    model: &RegisteredModel,
+    trajectories: &[Trajectory],
+    config: &SftConfig,
+    span: opentelemetry::Context,
+    on_event: impl FnMut(SftEvent),
+) -> Result<SftResult, TrainError> {
+    let _in_span = span.clone().attach();
+    let mut trainer = model
+        .trainer
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let outcome = trainer.train_sft(trajectories, config, on_event);
+    if let Ok(result) = &outcome {
+        publish_step(model, result.step, "sft", &result.metrics);
+    }
+    telemetry::end_with(&span, &outcome, |result| {
+        step_attributes(result.step, "sft", &result.metrics)
+    });
+    outcome
+}
+
+/// After a step: the model's new step, and its metrics appended to history.jsonl (under
+/// `split`) for the curves. The checkpoint is already written: a history that cannot be
+/// appended to is reported, not a failed step.
+fn publish_step(model: &RegisteredModel, step: u64, split: &str, metrics: &StepMetrics) {
+    model.step.store(step, std::sync::atomic::Ordering::SeqCst);
+    if let Err(e) = model
+        .store
+        .append_history(step, split, metrics.history_metrics())
+    {
+        eprintln!("art serve: step {step} of `{}`: {e}", model.info.name);
+    }
+}
+
+/// A finished step's span attributes: its step and its metrics as `art.<split>.<name>`.
+fn step_attributes(step: u64, split: &str, metrics: &StepMetrics) -> Vec<KeyValue> {
+    let metrics = metrics.history_metrics().into_iter();
+    std::iter::once(KeyValue::new("art.step", step as i64))
+        .chain(metrics.map(|(name, value)| KeyValue::new(format!("art.{split}.{name}"), value)))
+        .collect()
 }
 
 pub(super) fn train_error(e: TrainError) -> ApiError {

@@ -7,7 +7,8 @@ use crate::engine::chat_template::{ChatTemplate, RenderOptions};
 use crate::engine::tool_calls::conversation_for_template;
 use crate::engine::Engine;
 use crate::types::{
-    ChatCompletionsExchange, Choice, Message, MessageOrChoice, Tool, Trajectory, TrajectoryGroup,
+    AssistantTurns, ChatCompletionsExchange, Choice, Message, MessageOrChoice, SftConfig, Tool,
+    Trajectory, TrajectoryGroup,
 };
 
 use super::error::{Result, SequenceSource, TrainError};
@@ -93,6 +94,9 @@ pub struct Tokenization<'e> {
     engine: &'e Engine,
     template: ChatTemplate,
     pub allow_missing_logprobs: bool,
+    /// Supervised fine-tuning: these assistant turns are learnt whether written or sampled (a
+    /// sampled choice keeps its exact token ids). `None` (GRPO): only sampled choices are.
+    learn_written: Option<AssistantTurns>,
 }
 
 impl<'e> Tokenization<'e> {
@@ -101,6 +105,17 @@ impl<'e> Tokenization<'e> {
             engine,
             template,
             allow_missing_logprobs: false,
+            learn_written: None,
+        }
+    }
+
+    /// The tokenization of supervised fine-tuning: the assistant turns `config` names are
+    /// trained, no logprobs are needed.
+    pub fn for_sft(engine: &'e Engine, template: ChatTemplate, config: &SftConfig) -> Self {
+        Tokenization {
+            allow_missing_logprobs: true,
+            learn_written: Some(config.assistant_turns),
+            ..Tokenization::new(engine, template)
         }
     }
 
@@ -143,28 +158,52 @@ impl<'e> Tokenization<'e> {
                     .map_err(|error| TrainError::ChatTemplate { at: source, error })?,
             )
         };
+        let segments = rendered.as_ref().map(|r| r.segments()).unwrap_or_default();
+        let last_turn = segments.iter().rev().find_map(|s| s.assistant_message);
         let mut draft = Draft::default();
-        for segment in rendered.as_ref().map(|r| r.segments()).unwrap_or_default() {
+        for segment in segments {
             let original = segment
                 .assistant_message
                 .and_then(|i| i.checked_sub(conversation.inserted));
+            let learnt = original.is_some()
+                && match self.learn_written {
+                    None => false,
+                    Some(AssistantTurns::All) => true,
+                    Some(AssistantTurns::Last) => segment.assistant_message == last_turn,
+                };
             let choice = original.and_then(|i| match &items[i] {
                 MessageOrChoice::Choice(c) => Some((i, c)),
                 MessageOrChoice::Message(_) => None,
             });
-            let Some((message, choice)) = choice else {
-                // Prompt text, or an assistant message written rather than sampled: context only.
-                draft.push_context(&self.encode(segment.text)?);
-                continue;
-            };
-            let ids = choice
-                .sampled_token_ids()
-                .ok_or(TrainError::MissingTokenIds {
-                    at: source,
-                    message,
-                })?;
-            let lps = self.sampled(choice, &ids, source, message)?;
-            draft.push_sampled(ids, lps);
+            let sampled_ids = choice.and_then(|(_, c)| c.sampled_token_ids());
+            let written = sampled_ids.is_none();
+            match (choice, sampled_ids) {
+                // Supervised: the turn's exact tokens when it was sampled, else its text.
+                _ if learnt && written => {
+                    let ids = self.encode(segment.text)?;
+                    let unknown = vec![f32::NAN; ids.len()];
+                    draft.push_sampled(ids, unknown);
+                }
+                // Supervised, a sampled turn: its logprobs play no part in cross-entropy.
+                (Some(_), Some(ids)) if learnt => {
+                    self.check_vocabulary(&ids, source)?;
+                    let unknown = vec![f32::NAN; ids.len()];
+                    draft.push_sampled(ids, unknown);
+                }
+                (Some((message, choice)), Some(ids)) if self.learn_written.is_none() => {
+                    let lps = self.sampled(choice, &ids, source, message)?;
+                    draft.push_sampled(ids, lps);
+                }
+                (Some((message, _)), None) if self.learn_written.is_none() => {
+                    return Err(TrainError::MissingTokenIds {
+                        at: source,
+                        message,
+                    })
+                }
+                // Prompt text, an assistant message written rather than sampled (GRPO), or a
+                // turn supervised fine-tuning does not learn: context only.
+                _ => draft.push_context(&self.encode(segment.text)?),
+            }
         }
         self.finish(draft, advantage, source)
     }
@@ -205,6 +244,15 @@ impl<'e> Tokenization<'e> {
                         .into(),
                 });
             }
+            if self.learn_written == Some(AssistantTurns::Last) {
+                return Err(TrainError::BadExchange {
+                    at: source,
+                    exchange: 0,
+                    reason: "`assistant_turns: last` needs the conversation as \
+                             messages_and_choices; captured calls are learnt whole (`all`)"
+                        .into(),
+                });
+            }
             return self.exchange_sequences(&exchanges.chat_completions, advantage, source);
         }
         let mut sequences = vec![self.sequence(
@@ -237,14 +285,7 @@ impl<'e> Tokenization<'e> {
         source: SequenceSource,
         message: usize,
     ) -> Result<Vec<f32>> {
-        let vocab = self.engine.config().vocab_size;
-        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(TrainError::TokenOutOfVocabulary {
-                at: source,
-                token: bad,
-                vocab,
-            });
-        }
+        self.check_vocabulary(ids, source)?;
         Ok(match choice.sampled_logprobs() {
             Some(lps) if lps.len() == ids.len() => lps.into_iter().map(|x| x as f32).collect(),
             // A server may leave the final end-of-turn token out of `logprobs.content`
@@ -273,6 +314,18 @@ impl<'e> Tokenization<'e> {
                 })
             }
         })
+    }
+
+    fn check_vocabulary(&self, ids: &[u32], source: SequenceSource) -> Result<()> {
+        let vocab = self.engine.config().vocab_size;
+        match ids.iter().find(|&&t| t as usize >= vocab) {
+            Some(&bad) => Err(TrainError::TokenOutOfVocabulary {
+                at: source,
+                token: bad,
+                vocab,
+            }),
+            None => Ok(()),
+        }
     }
 
     /// The sequences of a rollout captured as raw chat-completion calls, on the exact tokens the
@@ -448,7 +501,7 @@ pub fn prepare_batch(
         for (t, trajectory) in group.trajectories.iter().enumerate() {
             let advantage = advantages.as_ref().map_or(0.0, |a| a[t]);
             let source = SequenceSource {
-                group: g,
+                group: Some(g),
                 trajectory: t,
                 history: None,
             };

@@ -10,8 +10,9 @@ use crate::types::InvalidConfig;
 /// Which conversation of a batch something refers to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SequenceSource {
-    /// Index of the group in the batch.
-    pub group: usize,
+    /// Index of the group in the batch (`None` for supervised fine-tuning, which takes a flat
+    /// list of trajectories).
+    pub group: Option<usize>,
     /// Index of the trajectory in its group.
     pub trajectory: usize,
     /// `Some(i)` for the trajectory's `additional_histories[i]`.
@@ -20,7 +21,10 @@ pub struct SequenceSource {
 
 impl fmt::Display for SequenceSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "group {}, trajectory {}", self.group, self.trajectory)?;
+        if let Some(g) = self.group {
+            write!(f, "group {g}, ")?;
+        }
+        write!(f, "trajectory {}", self.trajectory)?;
         if let Some(h) = self.history {
             write!(f, ", additional history {h}")?;
         }
@@ -131,6 +135,13 @@ pub enum TrainError {
     )]
     UnknownReference { step: u64, steps: Vec<u64> },
 
+    #[error(
+        "{at}: there is nothing to learn: the conversation has no assistant turn. Supervised \
+         fine-tuning learns the assistant's messages; drop this trajectory or add the answer it \
+         should learn"
+    )]
+    NothingToLearn { at: SequenceSource },
+
     #[error("the model `{0}` was deleted; register it again to train it")]
     Retired(String),
 
@@ -158,6 +169,7 @@ impl TrainError {
                 | TrainError::SequenceTooLong { .. }
                 | TrainError::ChatTemplate { .. }
                 | TrainError::BadExchange { .. }
+                | TrainError::NothingToLearn { .. }
                 | TrainError::Retired(_)
                 | TrainError::UnknownReference { .. }
                 | TrainError::NonFinite { .. }

@@ -12,10 +12,15 @@ pub use crate::types::{StepMetrics, StepResult, TrainProgress};
 
 use crate::engine::chat_template::ChatTemplate;
 use crate::engine::{Engine, LoraAdapter};
-use crate::types::{LoraConfig, TrainConfig, TrajectoryGroup};
+use crate::types::{
+    LoraConfig, LossFn, SftBatchMetrics, SftConfig, SftEvent, SftResult, TrainConfig, Trajectory,
+    TrajectoryGroup,
+};
 
-use super::batch::{chat_template_for, pack_micro_batches, prepare_batch, Tokenization};
-use super::error::{Result, TrainError};
+use super::batch::{
+    chat_template_for, pack_micro_batches, prepare_batch, MicroBatch, Tokenization, TrainSequence,
+};
+use super::error::{Result, SequenceSource, TrainError};
 use super::loss::{micro_batch_loss, Normalization};
 use super::optim::{AdamW, AdamWParams};
 
@@ -310,109 +315,36 @@ impl Trainer {
         });
 
         let reference = self.reference_adapter(config.kl_penalty_reference_step)?;
-        let named = self.adapter.named_vars();
-        let mut grads: Vec<Option<Tensor>> = vec![None; named.len()];
-        let (mut loss, mut policy_loss, mut kl, mut entropy_sum) = (0.0, 0.0, None, 0.0);
-        let mut kl_policy_ref: Option<f64> = None;
-        let mut clipped = 0;
-        let mut done_tokens = 0;
-        let (mut sampler_lp, mut trainer_lp) = (Vec::new(), Vec::new());
-        let compute_started = Instant::now();
-        for (k, mb) in micro_batches.iter().enumerate() {
-            let members: Vec<_> = mb.sequences.iter().map(|&i| &sequences[i]).collect();
-            let mut out = micro_batch_loss(
-                self.engine.model(),
-                Some(&self.adapter),
-                reference.as_deref(),
-                &members,
-                normalization,
-                config,
-                true,
-            )?;
-            let store = out.backward(self.engine.model(), &self.adapter)?;
-            for (slot, (_, var)) in grads.iter_mut().zip(&named) {
-                if let Some(g) = store.get(var.as_tensor()) {
-                    *slot = Some(match slot.take() {
-                        Some(acc) => (acc + g)?,
-                        None => g.clone(),
-                    });
-                }
-            }
-            let mb_loss = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            loss += mb_loss;
-            policy_loss += out.policy_loss;
-            if let Some(x) = out.kl {
-                kl = Some(kl.unwrap_or(0.0) + x);
-            }
-            if let Some(x) = out.kl_policy_ref {
-                // Token-weighted over micro-batches: the step's mean.
-                kl_policy_ref = Some(kl_policy_ref.unwrap_or(0.0) + x * out.num_tokens() as f64);
-            }
-            entropy_sum += out.entropy_sum;
-            clipped += out.clipped_tokens;
-            done_tokens += out.num_tokens();
-            for (s, t) in out.sampler_logprobs.iter().zip(&out.trainer_logprobs) {
-                if s.is_finite() {
-                    sampler_lp.push(f64::from(*s));
-                    trainer_lp.push(f64::from(*t));
-                }
-            }
-            on_progress(TrainProgress {
-                step: next_step,
-                micro_batch: k + 1,
-                micro_batches: micro_batches.len(),
-                trainable_tokens: done_tokens,
-                total_trainable_tokens: total_trainable,
-                loss,
-                elapsed_s: started.elapsed().as_secs_f64(),
-            });
-        }
-        if !loss.is_finite() {
-            return Err(TrainError::NonFinite { what: "loss" });
-        }
-
-        // Global gradient norm, clipping, update.
-        let mut sq = 0.0;
-        for g in grads.iter().flatten() {
-            sq += g
-                .sqr()?
-                .sum_all()?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
-        }
-        let grad_norm = sq.sqrt();
-        if !grad_norm.is_finite() {
-            return Err(TrainError::NonFinite {
-                what: "gradient norm",
-            });
-        }
+        let update = self.update(
+            sequences,
+            &micro_batches,
+            normalization,
+            config,
+            reference.as_deref(),
+            |k, done_tokens, loss| {
+                on_progress(TrainProgress {
+                    step: next_step,
+                    micro_batch: k,
+                    micro_batches: micro_batches.len(),
+                    trainable_tokens: done_tokens,
+                    total_trainable_tokens: total_trainable,
+                    loss,
+                    elapsed_s: started.elapsed().as_secs_f64(),
+                })
+            },
+        )?;
         let trained = !sequences.is_empty();
-        if trained {
-            if let Some(max) = config.max_grad_norm {
-                let factor = max / (grad_norm + 1e-6);
-                if factor < 1.0 {
-                    for g in grads.iter_mut().flatten() {
-                        *g = (&*g * factor)?;
-                    }
-                }
-            }
-            self.optimizer
-                .step(&grads, config.learning_rate, config.weight_decay)?;
-        }
-        let compute_s = compute_started.elapsed().as_secs_f64();
-        let (logprob_corr, logprob_abs_diff) = agreement(&sampler_lp, &trainer_lp);
+        let (logprob_corr, logprob_abs_diff) = agreement(&update.sampler_lp, &update.trainer_lp);
         self.step = next_step;
         let metrics = StepMetrics {
-            loss,
-            policy_loss,
-            kl,
-            kl_policy_ref: kl_policy_ref.map(|sum| sum / done_tokens.max(1) as f64),
-            entropy: if done_tokens > 0 {
-                entropy_sum / done_tokens as f64
-            } else {
-                0.0
-            },
-            grad_norm,
+            loss: update.loss,
+            policy_loss: update.policy_loss,
+            kl: update.kl,
+            kl_policy_ref: update
+                .kl_policy_ref
+                .map(|sum| sum / update.tokens.max(1) as f64),
+            entropy: update.mean_entropy(),
+            grad_norm: update.grad_norm,
             learning_rate: config.learning_rate,
             reward: batch.reward_mean,
             reward_std: batch.reward_std,
@@ -421,15 +353,11 @@ impl Trainer {
             num_trainable_tokens: total_trainable,
             num_tokens,
             num_micro_batches: micro_batches.len(),
-            tokens_per_second: if compute_s > 0.0 {
-                num_tokens as f64 / compute_s
-            } else {
-                0.0
-            },
+            tokens_per_second: per_second(num_tokens, update.compute_s),
             num_groups_trained: batch.groups_used,
             num_groups_skipped: batch.groups_skipped,
-            clip_fraction: if done_tokens > 0 {
-                clipped as f64 / done_tokens as f64
+            clip_fraction: if update.tokens > 0 {
+                update.clipped as f64 / update.tokens as f64
             } else {
                 0.0
             },
@@ -446,6 +374,343 @@ impl Trainer {
             checkpoint,
             adapter_name: self.adapter_name(self.step),
         })
+    }
+
+    /// Supervised fine-tuning (ART's `train_sft`): the trajectories' assistant turns (those
+    /// `config.assistant_turns` names) are learnt by cross-entropy, everything else is context.
+    /// Each batch of `config.batch_size` trajectories is one AdamW update at its learning rate;
+    /// after the last, one checkpoint (`step + 1`) is written and served as `name@<step>` and
+    /// `name`. Every conversation is rendered and checked before the first update; a failure
+    /// after it puts the adapter and optimizer back as the latest checkpoint has them, so a
+    /// failed call changes nothing.
+    pub fn train_sft(
+        &mut self,
+        trajectories: &[Trajectory],
+        config: &SftConfig,
+        mut on_event: impl FnMut(SftEvent),
+    ) -> Result<SftResult> {
+        if self.retired {
+            return Err(TrainError::Retired(self.name.clone()));
+        }
+        if trajectories.is_empty() {
+            return Err(TrainError::EmptyBatch(
+                "no trajectories to learn from".into(),
+            ));
+        }
+        config.validate(trajectories.len())?;
+        let started = Instant::now();
+        let tokenization = Tokenization::for_sft(&self.engine, self.template.clone(), config);
+        let mut batches = Vec::new();
+        for (b, chunk) in trajectories.chunks(config.batch_size).enumerate() {
+            let mut sequences = Vec::new();
+            for (t, trajectory) in chunk.iter().enumerate() {
+                let source = SequenceSource {
+                    group: None,
+                    trajectory: b * config.batch_size + t,
+                    history: None,
+                };
+                // Advantage 1: see `cross_entropy_config`.
+                let learnt = tokenization.trajectory_sequences(trajectory, 1.0, source)?;
+                if learnt.iter().all(|s| s.num_trainable() == 0) {
+                    return Err(TrainError::NothingToLearn { at: source });
+                }
+                sequences.extend(learnt.into_iter().filter(|s| s.num_trainable() > 0));
+            }
+            batches.push(sequences);
+        }
+        let next_step = self.step + 1;
+        let count =
+            |f: fn(&TrainSequence) -> usize| -> usize { batches.iter().flatten().map(f).sum() };
+        let (total_trainable, num_tokens) = (
+            count(TrainSequence::num_trainable),
+            count(TrainSequence::len),
+        );
+        on_event(SftEvent::Started {
+            step: next_step,
+            batches: batches.len(),
+            num_trajectories: trajectories.len(),
+            num_trainable_tokens: total_trainable,
+        });
+        let outcome = self.sft_updates(
+            &batches,
+            trajectories.len(),
+            config,
+            next_step,
+            &mut on_event,
+        );
+        let updates = match outcome {
+            Ok(updates) => updates,
+            Err(e) => {
+                self.reload()?;
+                return Err(e);
+            }
+        };
+        let compute_s: f64 = updates.iter().map(|(u, _)| u.compute_s).sum();
+        let trained_tokens: usize = updates.iter().map(|(u, _)| u.tokens).sum();
+        let batch_metrics: Vec<SftBatchMetrics> = updates.iter().map(|(_, m)| m.clone()).collect();
+        self.step = next_step;
+        let metrics = StepMetrics {
+            loss: updates
+                .iter()
+                .map(|(u, m)| u.loss * m.num_trainable_tokens as f64)
+                .sum::<f64>()
+                / trained_tokens.max(1) as f64,
+            policy_loss: 0.0,
+            entropy: updates.iter().map(|(u, _)| u.entropy_sum).sum::<f64>()
+                / trained_tokens.max(1) as f64,
+            grad_norm: updates.iter().map(|(u, _)| u.grad_norm).sum::<f64>() / updates.len() as f64,
+            learning_rate: batch_metrics.last().map_or(0.0, |m| m.learning_rate),
+            num_trajectories: trajectories.len(),
+            num_sequences: batches.iter().map(Vec::len).sum(),
+            num_trainable_tokens: total_trainable,
+            num_tokens,
+            num_micro_batches: updates.iter().map(|(u, _)| u.micro_batches).sum(),
+            tokens_per_second: per_second(num_tokens, compute_s),
+            duration_s: started.elapsed().as_secs_f64(),
+            ..Default::default()
+        };
+        let metrics = StepMetrics {
+            policy_loss: metrics.loss,
+            ..metrics
+        };
+        let checkpoint = match self.save_checkpoint(&metrics) {
+            Ok(dir) => dir,
+            Err(e) => {
+                self.step -= 1;
+                self.reload()?;
+                return Err(e);
+            }
+        };
+        self.register()?;
+        Ok(SftResult {
+            step: self.step,
+            metrics,
+            batches: batch_metrics,
+            checkpoint,
+            adapter_name: self.adapter_name(self.step),
+        })
+    }
+
+    /// The updates of [`Trainer::train_sft`], one per batch, with what each measured.
+    fn sft_updates(
+        &mut self,
+        batches: &[Vec<TrainSequence>],
+        num_trajectories: usize,
+        config: &SftConfig,
+        step: u64,
+        on_event: &mut impl FnMut(SftEvent),
+    ) -> Result<Vec<(Update, SftBatchMetrics)>> {
+        let mut out = Vec::with_capacity(batches.len());
+        for (b, sequences) in batches.iter().enumerate() {
+            let batch_started = Instant::now();
+            let learning_rate = config.learning_rate.of_batch(b);
+            let loss_config = cross_entropy_config(config, learning_rate);
+            let normalization = Normalization::for_step(sequences, &loss_config);
+            let lengths: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
+            let micro_batches = pack_micro_batches(&lengths, config.micro_batch_tokens);
+            let update = self.update(
+                sequences,
+                &micro_batches,
+                normalization,
+                &loss_config,
+                None,
+                |_, _, _| {},
+            )?;
+            let first = b * config.batch_size;
+            let metrics = SftBatchMetrics {
+                step,
+                batch: b + 1,
+                batches: batches.len(),
+                loss: update.loss,
+                grad_norm: update.grad_norm,
+                learning_rate,
+                num_trajectories: config.batch_size.min(num_trajectories - first),
+                num_trainable_tokens: sequences.iter().map(TrainSequence::num_trainable).sum(),
+                num_tokens: lengths.iter().sum(),
+                duration_s: batch_started.elapsed().as_secs_f64(),
+            };
+            on_event(SftEvent::Batch(metrics.clone()));
+            out.push((update, metrics));
+        }
+        Ok(out)
+    }
+
+    /// Puts the adapter and the optimizer back as the latest checkpoint has them (a fresh
+    /// adapter at step 0: PEFT's initialisation is seeded), and serves that.
+    fn reload(&mut self) -> Result<()> {
+        let device = self.engine.device().clone();
+        let dir = checkpoint_dir(&self.model_dir, self.step);
+        self.adapter = if self.step > 0 {
+            LoraAdapter::load_peft(&dir, self.engine.config(), &device)?
+        } else {
+            LoraAdapter::new(
+                self.engine.config(),
+                &self.adapter.config().clone(),
+                &device,
+                0,
+            )?
+        };
+        self.optimizer = AdamW::new(self.adapter.named_vars(), AdamWParams::default())?;
+        if dir.join(super::optim::STATE_JSON).exists() {
+            self.optimizer.load(&dir, &device)?;
+        }
+        Ok(())
+    }
+
+    /// One AdamW update on `sequences`: forward and backward of every micro-batch (gradients
+    /// accumulate), the global gradient norm clipped to `config.max_grad_norm`, and the step at
+    /// `config.learning_rate` (none when there is no sequence). `on_micro_batch(done, tokens,
+    /// loss)` follows the micro-batches.
+    fn update(
+        &mut self,
+        sequences: &[TrainSequence],
+        micro_batches: &[MicroBatch],
+        normalization: Normalization,
+        config: &TrainConfig,
+        reference: Option<&LoraAdapter>,
+        mut on_micro_batch: impl FnMut(usize, usize, f64),
+    ) -> Result<Update> {
+        let started = Instant::now();
+        let named = self.adapter.named_vars();
+        let mut grads: Vec<Option<Tensor>> = vec![None; named.len()];
+        let mut u = Update {
+            micro_batches: micro_batches.len(),
+            ..Default::default()
+        };
+        for (k, mb) in micro_batches.iter().enumerate() {
+            let members: Vec<_> = mb.sequences.iter().map(|&i| &sequences[i]).collect();
+            let mut out = micro_batch_loss(
+                self.engine.model(),
+                Some(&self.adapter),
+                reference,
+                &members,
+                normalization,
+                config,
+                true,
+            )?;
+            let store = out.backward(self.engine.model(), &self.adapter)?;
+            for (slot, (_, var)) in grads.iter_mut().zip(&named) {
+                if let Some(g) = store.get(var.as_tensor()) {
+                    *slot = Some(match slot.take() {
+                        Some(acc) => (acc + g)?,
+                        None => g.clone(),
+                    });
+                }
+            }
+            u.loss += out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            u.policy_loss += out.policy_loss;
+            if let Some(x) = out.kl {
+                u.kl = Some(u.kl.unwrap_or(0.0) + x);
+            }
+            if let Some(x) = out.kl_policy_ref {
+                // Token-weighted over micro-batches: divided by the tokens, the step's mean.
+                u.kl_policy_ref =
+                    Some(u.kl_policy_ref.unwrap_or(0.0) + x * out.num_tokens() as f64);
+            }
+            u.entropy_sum += out.entropy_sum;
+            u.clipped += out.clipped_tokens;
+            u.tokens += out.num_tokens();
+            for (s, t) in out.sampler_logprobs.iter().zip(&out.trainer_logprobs) {
+                if s.is_finite() {
+                    u.sampler_lp.push(f64::from(*s));
+                    u.trainer_lp.push(f64::from(*t));
+                }
+            }
+            on_micro_batch(k + 1, u.tokens, u.loss);
+        }
+        if !u.loss.is_finite() {
+            return Err(TrainError::NonFinite { what: "loss" });
+        }
+        let mut sq = 0.0;
+        for g in grads.iter().flatten() {
+            sq += g
+                .sqr()?
+                .sum_all()?
+                .to_dtype(DType::F64)?
+                .to_scalar::<f64>()?;
+        }
+        u.grad_norm = sq.sqrt();
+        if !u.grad_norm.is_finite() {
+            return Err(TrainError::NonFinite {
+                what: "gradient norm",
+            });
+        }
+        if !sequences.is_empty() {
+            if let Some(max) = config.max_grad_norm {
+                let factor = max / (u.grad_norm + 1e-6);
+                if factor < 1.0 {
+                    for g in grads.iter_mut().flatten() {
+                        *g = (&*g * factor)?;
+                    }
+                }
+            }
+            self.optimizer
+                .step(&grads, config.learning_rate, config.weight_decay)?;
+        }
+        u.compute_s = started.elapsed().as_secs_f64();
+        Ok(u)
+    }
+}
+
+/// What one optimizer update ([`Trainer::update`]) measured.
+#[derive(Default)]
+struct Update {
+    /// The loss (weighted as the normalization says) and its policy part.
+    loss: f64,
+    policy_loss: f64,
+    kl: Option<f64>,
+    /// Sum over micro-batches of their mean `kl_policy_ref` times their tokens.
+    kl_policy_ref: Option<f64>,
+    entropy_sum: f64,
+    clipped: usize,
+    /// Trainable tokens computed.
+    tokens: usize,
+    /// The sampler's and the trainer's logprobs of the tokens that came with the sampler's.
+    sampler_lp: Vec<f64>,
+    trainer_lp: Vec<f64>,
+    grad_norm: f64,
+    micro_batches: usize,
+    compute_s: f64,
+}
+
+impl Update {
+    fn mean_entropy(&self) -> f64 {
+        if self.tokens > 0 {
+            self.entropy_sum / self.tokens as f64
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The loss settings under which [`micro_batch_loss`] is the mean cross-entropy of the trained
+/// tokens: CISPO's term `-sg(clip(r)) A log p` with every advantage A = 1 and the ratio taken
+/// against the trainer's own logprobs (`precalculate_logprobs`: r = 1) is `-log p`, and token
+/// normalisation makes it the batch's mean. One loss path serves both kinds of training (its
+/// fused head, checkpointing and micro-batching included).
+fn cross_entropy_config(config: &SftConfig, learning_rate: f64) -> TrainConfig {
+    TrainConfig {
+        learning_rate,
+        loss_fn: LossFn::Cispo,
+        precalculate_logprobs: true,
+        epsilon: 1.0,
+        epsilon_high: Some(4.0),
+        normalize_by_sequence_length: false,
+        max_grad_norm: config.max_grad_norm,
+        weight_decay: config.weight_decay,
+        micro_batch_tokens: config.micro_batch_tokens,
+        gradient_checkpointing: config.gradient_checkpointing,
+        allow_training_without_logprobs: true,
+        ..TrainConfig::default()
+    }
+}
+
+/// `count` per second of `seconds` (0 when no time was measured).
+fn per_second(count: usize, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        count as f64 / seconds
+    } else {
+        0.0
     }
 }
 

@@ -314,3 +314,126 @@ impl TrainConfig {
         Ok(())
     }
 }
+
+/// Which assistant turns of a conversation supervised fine-tuning learns (ART's
+/// `assistant_turns`); everything else is context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AssistantTurns {
+    #[default]
+    All,
+    /// Only the final assistant turn; earlier ones are context.
+    Last,
+}
+
+/// The learning rate of supervised fine-tuning: one for every batch, or one per batch in order
+/// (a schedule, as ART's `learning_rate: list[float]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum LearningRate {
+    Constant(f64),
+    PerBatch(Vec<f64>),
+}
+
+impl LearningRate {
+    /// The rate of batch `index` (a schedule too short is refused by [`SftConfig::validate`]).
+    pub fn of_batch(&self, index: usize) -> f64 {
+        match self {
+            LearningRate::Constant(lr) => *lr,
+            LearningRate::PerBatch(lrs) => lrs[index],
+        }
+    }
+}
+
+/// Supervised fine-tuning of the model's LoRA adapter on conversations (ART's `train_sft`):
+/// the trajectories are cut into batches of `batch_size`, each batch is one optimizer step on
+/// the mean cross-entropy of its assistant tokens, and the whole call ends in one checkpoint
+/// (`name@step+1`), served at once as a GRPO step's is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SftConfig {
+    /// ART's default 5e-5 suits large models; tiny ones learn faster with more.
+    pub learning_rate: LearningRate,
+    /// Trajectories per optimizer step (ART's default for its serverless and local backends: 2).
+    pub batch_size: usize,
+    pub assistant_turns: AssistantTurns,
+    /// Clip the global gradient norm of each batch (ART: 1.0); `None` disables clipping.
+    pub max_grad_norm: Option<f64>,
+    pub weight_decay: f64,
+    /// As in [`TrainConfig`]: the most tokens of one forward/backward.
+    pub micro_batch_tokens: usize,
+    /// As in [`TrainConfig`].
+    pub gradient_checkpointing: Option<bool>,
+}
+
+impl Default for SftConfig {
+    fn default() -> Self {
+        SftConfig {
+            learning_rate: LearningRate::Constant(5e-5),
+            batch_size: 2,
+            assistant_turns: AssistantTurns::All,
+            max_grad_norm: Some(1.0),
+            weight_decay: 0.0,
+            micro_batch_tokens: TrainConfig::default().micro_batch_tokens,
+            gradient_checkpointing: None,
+        }
+    }
+}
+
+impl SftConfig {
+    /// How many optimizer steps `trajectories` trajectories make.
+    pub fn num_batches(&self, trajectories: usize) -> usize {
+        trajectories.div_ceil(self.batch_size.max(1))
+    }
+
+    /// Checks every setting against a run over `trajectories` trajectories, before any work.
+    pub fn validate(&self, trajectories: usize) -> Result<(), InvalidConfig> {
+        let invalid = |field, value: String, expected| {
+            Err(InvalidConfig {
+                field,
+                value,
+                expected,
+            })
+        };
+        let rates = match &self.learning_rate {
+            LearningRate::Constant(lr) => vec![*lr],
+            LearningRate::PerBatch(lrs) => lrs.clone(),
+        };
+        if let Some(bad) = rates.iter().find(|lr| !(lr.is_finite() && **lr >= 0.0)) {
+            return invalid("learning_rate", bad.to_string(), "finite numbers >= 0");
+        }
+        if self.batch_size == 0 {
+            return invalid("batch_size", "0".into(), "at least 1");
+        }
+        let batches = self.num_batches(trajectories);
+        if let LearningRate::PerBatch(lrs) = &self.learning_rate {
+            if lrs.len() < batches {
+                return invalid(
+                    "learning_rate",
+                    format!("a list of {}", lrs.len()),
+                    "one rate per batch (ceil(trajectories / batch_size)), or one number",
+                );
+            }
+        }
+        if let Some(norm) = self.max_grad_norm {
+            if !(norm.is_finite() && norm > 0.0) {
+                return invalid(
+                    "max_grad_norm",
+                    norm.to_string(),
+                    "a finite number > 0, or null",
+                );
+            }
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return invalid(
+                "weight_decay",
+                self.weight_decay.to_string(),
+                "a finite number >= 0",
+            );
+        }
+        if self.micro_batch_tokens == 0 {
+            return invalid("micro_batch_tokens", "0".into(), "at least 1");
+        }
+        Ok(())
+    }
+}

@@ -11,7 +11,8 @@ mod trajectory;
 
 pub use choice::{Choice, ChoiceLogprobs, TokenLogprob, TopLogprob};
 pub use config::{
-    ImportanceSamplingLevel, InvalidConfig, KlPenaltySource, LoraConfig, LossFn, TrainConfig,
+    AssistantTurns, ImportanceSamplingLevel, InvalidConfig, KlPenaltySource, LearningRate,
+    LoraConfig, LossFn, SftConfig, TrainConfig,
 };
 pub use logging::{HistoryList, LogRequest, Split, TrajectoryGroupList};
 pub use message::{
@@ -23,12 +24,13 @@ pub use openai::{
 };
 pub use serverless::{
     CursorPage, DeleteStepsRequest, DeleteStepsResponse, ExperimentalConfig, JobEventKind,
-    PreviewCheckpoint, PreviewModel, PreviewModelRequest, TrainingJob, TrainingJobEvent,
-    TrainingJobRequest, UnsupportedSetting,
+    PreviewCheckpoint, PreviewModel, PreviewModelRequest, SftTrainingConfig, SftTrainingJobRequest,
+    TrainingJob, TrainingJobEvent, TrainingJobRequest, UnsupportedSetting,
 };
 pub use training::{
     CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse,
-    StepMetrics, StepResult, TrainEvent, TrainProgress, TrainRequest,
+    SftBatchMetrics, SftEvent, SftRequest, SftResult, StepMetrics, StepResult, TrainEvent,
+    TrainProgress, TrainRequest,
 };
 pub use trajectory::{
     ChatCompletionsExchange, History, MessageOrChoice, MetadataValue, MetricValue,

@@ -5,7 +5,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::{ImportanceSamplingLevel, KlPenaltySource, LossFn, TrainConfig, TrajectoryGroup};
+use super::{
+    AssistantTurns, ImportanceSamplingLevel, KlPenaltySource, LearningRate, LossFn, SftConfig,
+    TrainConfig, TrajectoryGroup,
+};
 
 /// `POST /v1/preview/models`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -79,6 +82,43 @@ pub struct TrainingJobRequest {
     pub trajectory_groups: Vec<TrajectoryGroup>,
     #[serde(default)]
     pub experimental_config: Option<ExperimentalConfig>,
+}
+
+/// `POST /v1/preview/sft-training-jobs`: supervised fine-tuning on a JSONL file of
+/// conversations (one `{"messages": [...], "tools": [...]}` per line, as ART writes it), run as
+/// a job whose events are polled at `/v1/preview/training-jobs/{id}/events`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SftTrainingJobRequest {
+    pub model_id: String,
+    /// `file:///abs/path.jsonl` (a file on the server's machine) or `http(s)://...`. W&B's
+    /// `wandb-artifact://` URLs, which ART uploads to, cannot be read by this server.
+    pub training_data_url: String,
+    #[serde(default)]
+    pub config: Option<SftTrainingConfig>,
+}
+
+/// ART's `SFTTrainingConfig`; null fields take [`SftConfig`]'s defaults.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SftTrainingConfig {
+    pub batch_size: Option<usize>,
+    pub learning_rate: Option<LearningRate>,
+    pub assistant_turns: Option<AssistantTurns>,
+    /// Where W&B would log the metrics; accepted and left to the client (the job's
+    /// `gradient_step` events carry them).
+    pub metric_logging: Option<Value>,
+}
+
+impl SftTrainingConfig {
+    pub fn sft_config(&self) -> SftConfig {
+        let default = SftConfig::default();
+        SftConfig {
+            batch_size: self.batch_size.unwrap_or(default.batch_size),
+            learning_rate: self.learning_rate.clone().unwrap_or(default.learning_rate),
+            assistant_turns: self.assistant_turns.unwrap_or(default.assistant_turns),
+            ..default
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::{TrainConfig, TrajectoryGroup};
+use super::{SftConfig, TrainConfig, Trajectory, TrajectoryGroup};
 use crate::store::MetricGoal;
 
 /// Progress of a step, reported after each micro-batch (for streaming as NDJSON).
@@ -121,6 +121,67 @@ pub enum TrainEvent {
     /// Boxed: a result is much larger than the progress lines that come before it.
     Result(Box<StepResult>),
     /// The step failed; nothing was changed (the model stays at its previous step).
+    Error {
+        message: String,
+    },
+}
+
+/// `POST /v1/art/models/{name}/train_sft`: supervised fine-tuning on these conversations (see
+/// [`SftConfig`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SftRequest {
+    pub trajectories: Vec<Trajectory>,
+    #[serde(default)]
+    pub config: SftConfig,
+}
+
+/// One optimizer step of supervised fine-tuning: a batch of trajectories.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SftBatchMetrics {
+    /// The step being computed (the trainer's step + 1): all batches of a call make one step.
+    pub step: u64,
+    /// This batch (from 1) and the call's number of batches.
+    pub batch: usize,
+    pub batches: usize,
+    /// Mean cross-entropy of the batch's trained tokens (nats per token), before the update.
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub learning_rate: f64,
+    pub num_trajectories: usize,
+    pub num_trainable_tokens: usize,
+    pub num_tokens: usize,
+    pub duration_s: f64,
+}
+
+/// The outcome of supervised fine-tuning: one new checkpoint after all batches.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SftResult {
+    pub step: u64,
+    /// Over all batches: `loss` is the token-weighted mean cross-entropy, `grad_norm` the mean
+    /// of the batches', `learning_rate` the last batch's. What the checkpoint and the history
+    /// (split `sft`) record.
+    pub metrics: StepMetrics,
+    pub batches: Vec<SftBatchMetrics>,
+    pub checkpoint: PathBuf,
+    pub adapter_name: String,
+}
+
+/// One line of the `train_sft` endpoint's NDJSON answer: `started` once the data is accepted,
+/// a `batch` line per optimizer step, then one `result` or `error`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum SftEvent {
+    Started {
+        step: u64,
+        batches: usize,
+        num_trajectories: usize,
+        num_trainable_tokens: usize,
+    },
+    Batch(SftBatchMetrics),
+    Result(Box<SftResult>),
+    /// Training failed; the model stays at its previous step (batches already taken are lost
+    /// with the process's copy of the adapter, not written).
     Error {
         message: String,
     },
