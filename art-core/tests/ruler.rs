@@ -317,3 +317,80 @@ async fn ruler_works_as_gathers_after_each_hook() {
     assert_eq!(scored.len(), 5);
     assert!(scored.iter().all(|g| g.rewards() == [0.25, 0.75]));
 }
+
+/// RULER as OpenPipe ART's own package runs it (recorded by scripts/ruler_art_shapes.py from
+/// openpipe-art, unmodified; the python_art suite checks the recording still holds): the same
+/// group and the same judge answer (ART's `Response` shape, ids out of order) give the same
+/// rewards, metrics and logs here; and our request has ART's shape: a system and a user message,
+/// the user message naming trajectories by the ids ART uses, and a response format whose entries
+/// carry exactly ART's fields.
+#[tokio::test]
+async fn art_s_judge_answer_gives_art_s_result_and_our_request_has_art_s_shape() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/ruler_art.json");
+    let art: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let trajectories = art["trajectories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(art["rewards"].as_array().unwrap())
+        .map(|(messages, reward)| Trajectory {
+            reward: reward.as_f64().unwrap(),
+            ..Trajectory::new(serde_json::from_value::<Vec<Message>>(messages.clone()).unwrap())
+        });
+    let answer = art["judge_answer"].as_str().unwrap().to_string();
+    let (judge, endpoint) = start_judge(vec![Reply::Content(answer)]).await;
+    let scored = ruler_score_group(
+        TrajectoryGroup::new(trajectories),
+        &RulerOptions::new(endpoint),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    for (ours, theirs) in scored
+        .trajectories
+        .iter()
+        .zip(art["result"].as_array().unwrap())
+    {
+        assert_eq!(ours.reward, theirs["reward"].as_f64().unwrap());
+        for metric in ["independent_reward", "ruler_score"] {
+            assert_eq!(
+                ours.metrics[metric].as_f64(),
+                theirs["metrics"][metric].as_f64().unwrap(),
+                "{metric}"
+            );
+        }
+        assert_eq!(json!(ours.logs), theirs["logs"]);
+    }
+
+    let ours = judge.requests.lock().unwrap()[0].clone();
+    let theirs = &art["request"];
+    let roles = |messages: &Value| -> Vec<Value> {
+        messages
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["role"].clone())
+            .collect()
+    };
+    assert_eq!(roles(&ours["messages"]), roles(&theirs["messages"]));
+    for id in 1..=3 {
+        let tag = format!("<trajectory id=\"{id}\">");
+        for request in [&ours, theirs] {
+            let user = request["messages"][1]["content"].as_str().unwrap();
+            assert!(user.contains(&tag), "{tag} in {user}");
+        }
+    }
+    let art_schema = &theirs["response_format_schema"];
+    let art_entry = &art_schema["$defs"]["TrajectoryScore"];
+    let our_schema = &ours["response_format"]["json_schema"]["schema"];
+    assert_eq!(our_schema["required"], art_schema["required"]);
+    for entry in our_schema["properties"]["scores"]["prefixItems"]
+        .as_array()
+        .unwrap()
+    {
+        assert_eq!(entry["required"], art_entry["required"]);
+        for (field, spec) in art_entry["properties"].as_object().unwrap() {
+            assert_eq!(entry["properties"][field]["type"], spec["type"], "{field}");
+        }
+    }
+}

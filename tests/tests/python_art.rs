@@ -20,3 +20,14 @@ async fn python_art_trains_through_the_serverless_backend_api() {
     .await;
     eprintln!("{}", stdout.trim());
 }
+
+/// The recording of ART's RULER that art-core/tests/ruler.rs compares ours with
+/// (art-core/tests/fixtures/ruler_art.json) is still what the installed openpipe-art records.
+/// About 3 s.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs ART_TEST_ART_PYTHON: a Python >= 3.12 with openpipe-art (scripts/test.sh makes .venv-art and runs this with --ignored)"]
+async fn the_ruler_recording_matches_the_installed_art() {
+    let python = std::env::var_os("ART_TEST_ART_PYTHON")
+        .expect("set ART_TEST_ART_PYTHON to a Python with openpipe-art");
+    python_check(python, "ruler_art_shapes.py", &["--check".as_ref()]).await;
+}
