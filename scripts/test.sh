@@ -24,6 +24,8 @@ cargo test --workspace --test notebooks -- --ignored
 # Ignored by default (it needs what setup-browser.sh installs): ~50 s. `--workspace`, as above,
 # so that features resolve the same and nothing is rebuilt.
 cargo test --workspace --test browser -- --ignored
+# Ignored by default (it needs .venv): ~1 s. pyarrow reads our trajectories parquet.
+cargo test --workspace --test python_parquet -- --ignored
 # Ignored by default (it needs .venv): ~1 s. The official openai SDK against our server.
 cargo test --workspace --test openai_sdk -- --ignored
 # Ignored by default (it needs .venv-art): ~20 s. Python ART trains on `art serve`.

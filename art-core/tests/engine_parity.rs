@@ -89,13 +89,11 @@ fn tiny_qwen2_and_qwen3_match_the_reference() {
 fn smollm2_matches_the_reference() {
     let path =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !path.exists() {
-        eprintln!(
-            "SKIPPED: {} is missing; run scripts/fetch-models.sh",
-            path.display()
-        );
-        return;
-    }
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh (scripts/test.sh does)",
+        path.display()
+    );
     let engine = Engine::load(&ModelSource::Gguf(path), &LoadOptions::default()).unwrap();
     let fixture = read_fixture(&fixtures().join("smollm2-reference.json"));
     for case in &fixture.tokenizer {

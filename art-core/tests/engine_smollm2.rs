@@ -11,26 +11,32 @@ fn model_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-fn engine() -> Option<&'static Engine> {
-    static ENGINE: OnceLock<Option<Engine>> = OnceLock::new();
-    ENGINE
-        .get_or_init(|| {
-            let path = model_path();
-            if !path.exists() {
-                eprintln!(
-                    "SKIPPED: {} is missing; run scripts/fetch-models.sh",
-                    path.display()
-                );
-                return None;
-            }
-            Some(Engine::load(&ModelSource::Gguf(path), &LoadOptions::default()).unwrap())
-        })
-        .as_ref()
+/// The default model's path; a test fails, saying how to fetch it, when it is missing
+/// (scripts/test.sh fetches it first).
+fn existing_model_path() -> PathBuf {
+    let path = model_path();
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-models.sh (scripts/test.sh does)",
+        path.display()
+    );
+    path
+}
+
+fn engine() -> &'static Engine {
+    static ENGINE: OnceLock<Engine> = OnceLock::new();
+    ENGINE.get_or_init(|| {
+        Engine::load(
+            &ModelSource::Gguf(existing_model_path()),
+            &LoadOptions::default(),
+        )
+        .unwrap()
+    })
 }
 
 #[test]
 fn gguf_config_and_template() {
-    let Some(engine) = engine() else { return };
+    let engine = engine();
     let c = engine.config();
     assert_eq!(c.num_hidden_layers, 30);
     assert_eq!(c.hidden_size, 576);
@@ -49,7 +55,7 @@ fn gguf_config_and_template() {
 
 #[test]
 fn tokenizer_round_trips_and_chatml_tokens_are_single_ids() {
-    let Some(engine) = engine() else { return };
+    let engine = engine();
     for text in [
         "The capital of France is Paris.",
         "  leading spaces, numbers 12345 and émojis 🎉\n\nnew lines\ttabs",
@@ -86,14 +92,14 @@ fn greedy(engine: &Engine, prompt: &str, max_tokens: usize) -> String {
 
 #[test]
 fn greedy_continuation_names_paris() {
-    let Some(engine) = engine() else { return };
+    let engine = engine();
     let text = greedy(engine, "The capital of France is", 8);
     assert!(text.contains(" Paris"), "got {text:?}");
 }
 
 #[test]
 fn chat_answer_names_paris() {
-    let Some(engine) = engine() else { return };
+    let engine = engine();
     let prompt = "<|im_start|>user\nWhat is the capital of France? Answer in one word.<|im_end|>\n<|im_start|>assistant\n";
     let text = greedy(engine, prompt, 12);
     assert!(text.contains("Paris"), "got {text:?}");
@@ -101,11 +107,7 @@ fn chat_answer_names_paris() {
 
 #[test]
 fn quantized_weights_answer_like_the_dense_ones() {
-    let path = model_path();
-    if !path.exists() {
-        eprintln!("SKIPPED: {} is missing", path.display());
-        return;
-    }
+    let path = existing_model_path();
     // An engine of its own: switching the shared one would change the other tests' numbers.
     let engine = Engine::load(&ModelSource::Gguf(path), &LoadOptions::default()).unwrap();
     engine.set_use_quantized(true);

@@ -2,9 +2,10 @@
 #![cfg(feature = "engine")]
 
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::path::Path;
+
 use std::sync::Arc;
+use tempfile::TempDir;
 
 use art_core::engine::random::{RandomModelSpec, CHATML_END_ID};
 use art_core::engine::{
@@ -14,40 +15,18 @@ use art_core::engine::{
 use art_core::types::LoraConfig;
 
 /// A fresh directory under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "art-engine-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-impl std::ops::Deref for TempDir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
+fn temp_dir(tag: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("art-engine-{tag}-"))
+        .tempdir()
+        .unwrap()
 }
 
 fn tiny(arch: Architecture) -> (TempDir, Engine) {
-    let dir = TempDir::new("tiny");
-    RandomModelSpec::tiny(arch).write(&dir, 42).unwrap();
+    let dir = temp_dir("tiny");
+    RandomModelSpec::tiny(arch).write(dir.path(), 42).unwrap();
     let engine = Engine::load(
-        &ModelSource::HfDir(dir.to_path_buf()),
+        &ModelSource::HfDir(dir.path().to_path_buf()),
         &LoadOptions::default(),
     )
     .unwrap();
@@ -447,7 +426,7 @@ fn lora_adapters_apply_save_load_and_swap() {
     assert!(max_diff(&base, &adapted) > 1e-2);
 
     // PEFT format round trip.
-    let out = dir.join("adapter");
+    let out = dir.path().join("adapter");
     adapter.save_peft(&out, Some("tiny")).unwrap();
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
@@ -559,11 +538,11 @@ fn gradients_flow_into_lora_only() {
 
 #[test]
 fn loads_sharded_safetensors_and_the_hub_cache_layout() {
-    let dir = TempDir::new("src");
+    let dir = temp_dir("src");
     let spec = RandomModelSpec::tiny(Architecture::Qwen2);
-    spec.write(&dir, 5).unwrap();
+    spec.write(dir.path(), 5).unwrap();
     let single = Engine::load(
-        &ModelSource::HfDir(dir.to_path_buf()),
+        &ModelSource::HfDir(dir.path().to_path_buf()),
         &LoadOptions::default(),
     )
     .unwrap();
@@ -571,9 +550,9 @@ fn loads_sharded_safetensors_and_the_hub_cache_layout() {
     let expected = logits(&single, &tokens, None);
 
     // Split the weights into two shards with an index, as large checkpoints come.
-    let sharded = TempDir::new("sharded");
+    let sharded = temp_dir("sharded");
     for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(dir.join(f), sharded.join(f)).unwrap();
+        std::fs::copy(dir.path().join(f), sharded.path().join(f)).unwrap();
     }
     let weights = spec.weights(5, &candle_core_cpu()).unwrap();
     let mut names: Vec<&String> = weights.keys().collect();
@@ -588,33 +567,33 @@ fn loads_sharded_safetensors_and_the_hub_cache_layout() {
             .iter()
             .map(|n| ((*n).clone(), weights[*n].clone()))
             .collect();
-        art_core::engine::candle::safetensors::save(&shard, sharded.join(file)).unwrap();
+        art_core::engine::candle::safetensors::save(&shard, sharded.path().join(file)).unwrap();
         for n in part.iter() {
             map.insert((*n).clone(), serde_json::Value::String(file.into()));
         }
     }
     std::fs::write(
-        sharded.join("model.safetensors.index.json"),
+        sharded.path().join("model.safetensors.index.json"),
         serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
     )
     .unwrap();
     let engine = Engine::load(
-        &ModelSource::HfDir(sharded.to_path_buf()),
+        &ModelSource::HfDir(sharded.path().to_path_buf()),
         &LoadOptions::default(),
     )
     .unwrap();
     assert!(max_diff(&expected, &logits(&engine, &tokens, None)) < 1e-6);
 
     // The hub cache: blobs, a snapshot of symlinks, refs/main naming the commit.
-    let cache = TempDir::new("hub");
-    let repo = cache.join("models--tiny-org--tiny-qwen2");
+    let cache = temp_dir("hub");
+    let repo = cache.path().join("models--tiny-org--tiny-qwen2");
     let commit = "0123456789abcdef0123456789abcdef01234567";
     let snapshot = repo.join("snapshots").join(commit);
     std::fs::create_dir_all(repo.join("blobs")).unwrap();
     std::fs::create_dir_all(repo.join("refs")).unwrap();
     std::fs::create_dir_all(&snapshot).unwrap();
     std::fs::write(repo.join("refs/main"), commit).unwrap();
-    for entry in std::fs::read_dir(&*dir).unwrap() {
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_owned();
         let blob = repo
@@ -631,7 +610,7 @@ fn loads_sharded_safetensors_and_the_hub_cache_layout() {
         let source = ModelSource::HfCache {
             repo_id: "tiny-org/tiny-qwen2".into(),
             revision: revision.into(),
-            cache_dir: Some(cache.to_path_buf()),
+            cache_dir: Some(cache.path().to_path_buf()),
         };
         let engine = Engine::load(&source, &LoadOptions::default()).unwrap();
         assert_eq!(engine.name(), "tiny-org/tiny-qwen2");
@@ -640,7 +619,7 @@ fn loads_sharded_safetensors_and_the_hub_cache_layout() {
     let missing = ModelSource::HfCache {
         repo_id: "tiny-org/absent".into(),
         revision: "main".into(),
-        cache_dir: Some(cache.to_path_buf()),
+        cache_dir: Some(cache.path().to_path_buf()),
     };
     let err = Engine::load(&missing, &LoadOptions::default())
         .err()

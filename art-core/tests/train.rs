@@ -4,8 +4,9 @@
 #![cfg(feature = "train")]
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+
 use std::sync::Arc;
+use tempfile::TempDir;
 
 use art_core::engine::chat_template::ChatTemplate;
 use art_core::engine::random::{RandomModelSpec, CHATML_END_ID};
@@ -29,33 +30,11 @@ use art_core::types::{
 // Helpers
 
 /// A fresh directory under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "art-train-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-impl std::ops::Deref for TempDir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
+fn temp_dir(tag: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("art-train-{tag}-"))
+        .tempdir()
+        .unwrap()
 }
 
 fn tiny_engine(arch: Architecture, dtype: Option<DType>) -> (TempDir, Arc<Engine>) {
@@ -63,13 +42,13 @@ fn tiny_engine(arch: Architecture, dtype: Option<DType>) -> (TempDir, Arc<Engine
 }
 
 fn tiny_engine_with(spec: RandomModelSpec, dtype: Option<DType>) -> (TempDir, Arc<Engine>) {
-    let dir = TempDir::new("model");
-    spec.write(&dir, 7).unwrap();
+    let dir = temp_dir("model");
+    spec.write(dir.path(), 7).unwrap();
     let options = LoadOptions {
         dtype,
         ..Default::default()
     };
-    let engine = Engine::load(&ModelSource::HfDir(dir.to_path_buf()), &options).unwrap();
+    let engine = Engine::load(&ModelSource::HfDir(dir.path().to_path_buf()), &options).unwrap();
     (dir, Arc::new(engine))
 }
 
@@ -974,9 +953,14 @@ fn toy_prompts() -> Vec<Vec<Message>> {
 #[test]
 fn trainer_logprobs_equal_the_samplers() {
     let (_dir, engine) = tiny_engine(Architecture::Qwen2, None);
-    let model_dir = TempDir::new("agree");
-    let mut trainer =
-        Trainer::new(engine.clone(), model_dir.to_path_buf(), "agent", &lora(4)).unwrap();
+    let model_dir = temp_dir("agree");
+    let mut trainer = Trainer::new(
+        engine.clone(),
+        model_dir.path().to_path_buf(),
+        "agent",
+        &lora(4),
+    )
+    .unwrap();
     // A first step so the adapter is not the identity.
     let mut groups = Vec::new();
     for (k, messages) in toy_prompts().iter().enumerate() {
@@ -1041,8 +1025,14 @@ fn trainer_logprobs_equal_the_samplers() {
 #[test]
 fn a_step_checkpoints_serves_and_reports_progress() {
     let (_dir, engine) = tiny_engine(Architecture::Llama, None);
-    let model_dir = TempDir::new("step");
-    let mut trainer = Trainer::new(engine.clone(), model_dir.to_path_buf(), "m", &lora(2)).unwrap();
+    let model_dir = temp_dir("step");
+    let mut trainer = Trainer::new(
+        engine.clone(),
+        model_dir.path().to_path_buf(),
+        "m",
+        &lora(2),
+    )
+    .unwrap();
     assert_eq!(trainer.step(), 0);
     assert!(engine.adapter("m@0").is_some() && engine.adapter("m").is_some());
     let mut groups = Vec::new();
@@ -1097,7 +1087,7 @@ fn a_step_checkpoints_serves_and_reports_progress() {
 
     // The checkpoint: PEFT files, optimizer state, trainer state; loadable as an adapter.
     let dir = &result.checkpoint;
-    assert_eq!(dir, &model_dir.join("checkpoints/0001"));
+    assert_eq!(dir, &model_dir.path().join("checkpoints/0001"));
     for f in [
         "adapter_config.json",
         "adapter_model.safetensors",
@@ -1122,9 +1112,9 @@ fn a_step_checkpoints_serves_and_reports_progress() {
         adapter_values(&engine.adapter("m").unwrap()),
         adapter_values(&served)
     );
-    assert_eq!(list_checkpoints(&model_dir), vec![1, 2]);
+    assert_eq!(list_checkpoints(model_dir.path()), vec![1, 2]);
     // No temporary directories are left behind.
-    let leftovers: Vec<_> = std::fs::read_dir(model_dir.join("checkpoints"))
+    let leftovers: Vec<_> = std::fs::read_dir(model_dir.path().join("checkpoints"))
         .unwrap()
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
@@ -1145,7 +1135,7 @@ fn a_step_checkpoints_serves_and_reports_progress() {
     assert_eq!(skipped.metrics.num_trainable_tokens, 0);
     assert_eq!(adapter_values(trainer.adapter()), before);
     assert!(engine.adapter("m@3").is_some());
-    assert_eq!(list_checkpoints(&model_dir), vec![1, 2, 3]);
+    assert_eq!(list_checkpoints(model_dir.path()), vec![1, 2, 3]);
 
     // A bad config fails before anything happens.
     let bad = TrainConfig {
@@ -1200,13 +1190,13 @@ fn a_step_checkpoints_serves_and_reports_progress() {
         trainer.train(&groups, &config, |_| {}),
         Err(TrainError::Retired(_))
     ));
-    assert_eq!(list_checkpoints(&model_dir), vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!(list_checkpoints(model_dir.path()), vec![1, 2, 3, 4, 5, 6]);
 }
 
 #[test]
 fn restart_resumes_from_the_last_checkpoint() {
     let (_dir, engine) = tiny_engine(Architecture::Qwen3, None);
-    let model_dir = TempDir::new("resume");
+    let model_dir = temp_dir("resume");
     let config = TrainConfig {
         learning_rate: 2e-2,
         ..Default::default()
@@ -1224,17 +1214,23 @@ fn restart_resumes_from_the_last_checkpoint() {
             })
             .collect()
     };
-    let mut a = Trainer::new(engine.clone(), model_dir.to_path_buf(), "r", &lora(4)).unwrap();
+    let mut a = Trainer::new(
+        engine.clone(),
+        model_dir.path().to_path_buf(),
+        "r",
+        &lora(4),
+    )
+    .unwrap();
     for s in 0..2 {
         let groups = batch(&engine, "r", 10 * s);
         a.train(&groups, &config, |_| {}).unwrap();
     }
     // A second trainer on a copy of the model directory (as after a restart).
-    let copy = TempDir::new("resume-copy");
-    copy_dir(&model_dir, &copy);
+    let copy = temp_dir("resume-copy");
+    copy_dir(model_dir.path(), copy.path());
     let (_dir2, engine2) = tiny_engine(Architecture::Qwen3, None);
     // The LoRA config given here is ignored: the checkpoint's wins.
-    let mut b = Trainer::new(engine2.clone(), copy.to_path_buf(), "r", &lora(8)).unwrap();
+    let mut b = Trainer::new(engine2.clone(), copy.path().to_path_buf(), "r", &lora(8)).unwrap();
     assert_eq!(b.step(), 2);
     assert_eq!(b.lora_config().rank, 4);
     assert_eq!(adapter_values(b.adapter()), adapter_values(a.adapter()));
@@ -1255,11 +1251,19 @@ fn restart_resumes_from_the_last_checkpoint() {
     }
     // Without the optimizer state, the same step would differ: Adam's moments matter, so the
     // equality above is not trivial.
-    let fresh_dir = TempDir::new("resume-fresh");
-    copy_dir(&model_dir, &fresh_dir);
-    std::fs::remove_file(art_core::train::checkpoint_dir(&fresh_dir, 3).join("optimizer.json"))
-        .unwrap();
-    let mut c = Trainer::new(engine2.clone(), fresh_dir.to_path_buf(), "r2", &lora(4)).unwrap();
+    let fresh_dir = temp_dir("resume-fresh");
+    copy_dir(model_dir.path(), fresh_dir.path());
+    std::fs::remove_file(
+        art_core::train::checkpoint_dir(fresh_dir.path(), 3).join("optimizer.json"),
+    )
+    .unwrap();
+    let mut c = Trainer::new(
+        engine2.clone(),
+        fresh_dir.path().to_path_buf(),
+        "r2",
+        &lora(4),
+    )
+    .unwrap();
     assert_eq!(c.step(), 3);
     assert_eq!(adapter_values(c.adapter()), adapter_values(a.adapter()));
     let groups = batch(&engine, "r", 123);
@@ -1311,9 +1315,14 @@ fn grpo_learns_a_toy_task() {
         ..RandomModelSpec::tiny(Architecture::Qwen2)
     };
     let (_dir, engine) = tiny_engine_with(spec, None);
-    let model_dir = TempDir::new("learn");
-    let mut trainer =
-        Trainer::new(engine.clone(), model_dir.to_path_buf(), "toy", &lora(8)).unwrap();
+    let model_dir = temp_dir("learn");
+    let mut trainer = Trainer::new(
+        engine.clone(),
+        model_dir.path().to_path_buf(),
+        "toy",
+        &lora(8),
+    )
+    .unwrap();
     let letters: Vec<u32> = (b'a'..=b'z')
         .map(|c| engine.encode(&(c as char).to_string(), false).unwrap()[0])
         .collect();
@@ -1399,8 +1408,14 @@ fn write_peft_parity_fixture() {
         )
         .unwrap(),
     );
-    let model_dir = TempDir::new("peft");
-    let mut trainer = Trainer::new(engine.clone(), model_dir.to_path_buf(), "p", &lora(4)).unwrap();
+    let model_dir = temp_dir("peft");
+    let mut trainer = Trainer::new(
+        engine.clone(),
+        model_dir.path().to_path_buf(),
+        "p",
+        &lora(4),
+    )
+    .unwrap();
     let config = TrainConfig {
         learning_rate: 5e-2,
         ..Default::default()
@@ -1425,7 +1440,7 @@ fn write_peft_parity_fixture() {
     };
     let data = [qa("hello", "there"), qa("the cat", "sat on the mat")];
     assert_eq!(trainer.train_sft(&data, &sft, |_| {}).unwrap().step, 4);
-    let checkpoint = art_core::train::checkpoint_dir(&model_dir, 4);
+    let checkpoint = art_core::train::checkpoint_dir(model_dir.path(), 4);
     std::fs::create_dir_all(out.join("adapter")).unwrap();
     for f in ["adapter_config.json", "adapter_model.safetensors"] {
         std::fs::copy(checkpoint.join(f), out.join("adapter").join(f)).unwrap();
@@ -1632,8 +1647,14 @@ fn sft_learns_the_assistant_turns_it_is_asked_to() {
 #[test]
 fn sft_lowers_the_cross_entropy_of_its_data() {
     let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F32));
-    let model_dir = TempDir::new("sft");
-    let mut trainer = Trainer::new(engine.clone(), model_dir.to_path_buf(), "s", &lora(4)).unwrap();
+    let model_dir = temp_dir("sft");
+    let mut trainer = Trainer::new(
+        engine.clone(),
+        model_dir.path().to_path_buf(),
+        "s",
+        &lora(4),
+    )
+    .unwrap();
     let data = [qa("2+2?", "four"), qa("3+3?", "six"), qa("4+4?", "eight")];
     let config = SftConfig {
         learning_rate: LearningRate::Constant(2e-2),
@@ -1683,7 +1704,7 @@ fn sft_lowers_the_cross_entropy_of_its_data() {
         assert_eq!(result.step, call);
         assert_eq!(result.batches.len(), 1);
         assert!(matches!(events[0], SftEvent::Started { batches: 1, .. }));
-        assert!(list_checkpoints(&model_dir).contains(&call));
+        assert!(list_checkpoints(model_dir.path()).contains(&call));
         assert!(engine.adapter(&format!("s@{call}")).is_some());
         losses.push(result.batches[0].loss);
     }
@@ -1700,8 +1721,14 @@ fn sft_lowers_the_cross_entropy_of_its_data() {
 #[test]
 fn a_failed_sft_call_changes_nothing() {
     let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F32));
-    let model_dir = TempDir::new("sft-fail");
-    let mut trainer = Trainer::new(engine.clone(), model_dir.to_path_buf(), "f", &lora(4)).unwrap();
+    let model_dir = temp_dir("sft-fail");
+    let mut trainer = Trainer::new(
+        engine.clone(),
+        model_dir.path().to_path_buf(),
+        "f",
+        &lora(4),
+    )
+    .unwrap();
     let data = [qa("a", "b"), qa("c", "d")];
     let quick = SftConfig {
         learning_rate: LearningRate::Constant(1e-2),

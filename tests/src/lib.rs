@@ -7,37 +7,14 @@ use art_core::engine::random::RandomModelSpec;
 use art_core::engine::Architecture;
 use art_core::server::{build_state, router, ServeOptions};
 
-/// A directory removed when dropped.
-pub struct TempDir(PathBuf);
+pub use tempfile::TempDir;
 
-impl TempDir {
-    pub fn new(tag: &str) -> Self {
-        let path = std::env::temp_dir().join(format!(
-            "art-e2e-{tag}-{}-{}",
-            std::process::id(),
-            rand_suffix()
-        ));
-        std::fs::create_dir_all(&path).expect("temp dir");
-        TempDir(path)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn rand_suffix() -> u64 {
-    use std::time::{SystemTime, UNIX_EPOCH};
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos() as u64)
-        .unwrap_or(0)
+/// A fresh directory under the system temp dir, removed when dropped.
+pub fn temp_dir(tag: &str) -> TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("art-e2e-{tag}-"))
+        .tempdir()
+        .expect("temp dir")
 }
 
 /// A tiny random-weight Qwen2 model (ChatML template) written as a Hugging Face directory.
@@ -87,21 +64,19 @@ pub async fn python_check(
     stdout
 }
 
-/// The real default model, if `scripts/fetch-models.sh` has fetched it.
-pub fn smollm2() -> Option<PathBuf> {
+/// The real default model, as `scripts/fetch-models.sh` fetches it.
+/// Panics, saying how to fetch it, when it is missing (scripts/test.sh fetches it first).
+pub fn smollm2() -> PathBuf {
     let dir = std::env::var_os("ART_MODELS_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
     let path = dir.join(art_core::backend::DEFAULT_MODEL_FILE);
-    if path.is_file() {
-        Some(path)
-    } else {
-        eprintln!(
-            "skipping: {} is missing (run scripts/fetch-models.sh)",
-            path.display()
-        );
-        None
-    }
+    assert!(
+        path.is_file(),
+        "{} is missing: run scripts/fetch-models.sh (scripts/test.sh does)",
+        path.display()
+    );
+    path
 }
 
 /// A server on a free loopback port, running on the test's runtime.
@@ -114,7 +89,7 @@ pub struct TestServer {
 impl TestServer {
     /// Serves the tiny model; `configure` adjusts the options first.
     pub async fn tiny(configure: impl FnOnce(&mut ServeOptions)) -> Self {
-        let dir = TempDir::new("server");
+        let dir = temp_dir("server");
         let mut options = ServeOptions {
             model: tiny_model(dir.path()).display().to_string(),
             served_model_name: Some("tiny".into()),

@@ -9,7 +9,7 @@ use art_core::{
     LocalBackend, LocalBackendOptions, Message, RemoteBackend, SftConfig, TrainConfig,
     TrainableModel, Trajectory, TrajectoryGroup,
 };
-use art_e2e::{tiny_model, TempDir};
+use art_e2e::{temp_dir, tiny_model};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 async fn rollout_groups(model: &TrainableModel, groups: u64, size: u64) -> Vec<TrajectoryGroup> {
@@ -72,7 +72,7 @@ async fn rollout(model: &TrainableModel, seed: u64) -> anyhow::Result<Trajectory
 
 #[tokio::test(flavor = "multi_thread")]
 async fn local_backend_serves_a_registered_model() {
-    let dir = TempDir::new("local-backend");
+    let dir = temp_dir("local-backend");
     let mut options = LocalBackendOptions::new(tiny_model(dir.path()).display().to_string());
     options.art_dir = dir.path().join(".art");
     let backend = LocalBackend::start(options)
@@ -203,7 +203,7 @@ async fn local_backend_serves_a_registered_model() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn remote_backend_trains_and_survives_a_killed_server() {
-    let dir = TempDir::new("remote-backend");
+    let dir = temp_dir("remote-backend");
     let art = art_e2e::art_binary();
     let model_dir = tiny_model(dir.path());
     let art_dir = dir.path().join(".art");
@@ -278,7 +278,7 @@ async fn remote_backend_trains_and_survives_a_killed_server() {
 /// pipe closes without the backend being dropped. The server must not outlive it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_local_server_exits_when_its_stdin_closes() {
-    let dir = TempDir::new("exit-with-stdin");
+    let dir = temp_dir("exit-with-stdin");
     let model_dir = tiny_model(dir.path());
     let mut child = tokio::process::Command::new(art_e2e::art_binary())
         .args(["serve", "--port", "0", "--exit-with-stdin", "--model"])

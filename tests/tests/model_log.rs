@@ -10,7 +10,7 @@ use art_core::{
     LocalBackend, LocalBackendOptions, Message, MetricGoal, ModelStore, Split, TrainConfig,
     TrainableModel, Trajectory, TrajectoryGroup,
 };
-use art_e2e::{tiny_model, TempDir};
+use art_e2e::{temp_dir, tiny_model};
 
 /// A rollout on the served model; its reward and metrics depend only on `seed`. Seed 3 fails,
 /// as a rollout whose tool call broke would.
@@ -81,7 +81,7 @@ fn near(pixels: &[[u8; 3]], colour: [u8; 3]) -> usize {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn model_log_history_plots_and_best_checkpoints_through_the_backend() {
-    let dir = TempDir::new("model-log");
+    let dir = temp_dir("model-log");
     let mut options = LocalBackendOptions::new(tiny_model(dir.path()).display().to_string());
     options.art_dir = dir.path().join(".art");
     let backend = LocalBackend::start(options)

@@ -14,7 +14,7 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use art_e2e::{smollm2, TempDir};
+use art_e2e::{smollm2, temp_dir};
 use serde_json::Value;
 
 fn python() -> String {
@@ -77,7 +77,7 @@ struct Run {
 
 /// One `traced_run` with `env` (the OTEL_* variables of the caller's shell are removed first).
 fn traced_run(art_dir: &Path, name: &str, env: &[(&str, String)]) -> Run {
-    let model = smollm2().expect("the default model (scripts/fetch-models.sh)");
+    let model = smollm2();
     let mut command = Command::new(env!("CARGO_BIN_EXE_traced_run"));
     command.arg(art_dir).arg(&model).arg(name);
     for (key, _) in std::env::vars() {
@@ -191,7 +191,7 @@ fn assert_chat_pair(spans: &Spans, parent: &Value, model: &str) {
 #[test]
 #[ignore = "needs ART_TEST_PYTHON with tensorboard and opentelemetry-proto, and the default model; scripts/test.sh runs it"]
 fn spans_reach_an_otlp_receiver_and_curves_reach_tensorboard() {
-    let dir = TempDir::new("observability");
+    let dir = temp_dir("observability");
     let spans_path = dir.path().join("spans.jsonl");
     let receiver = Receiver::start(&spans_path, false);
     let art_dir = dir.path().join(".art");
@@ -310,7 +310,7 @@ fn http_get(url: &str) -> String {
 #[test]
 #[ignore = "needs ART_TEST_PYTHON with opentelemetry-proto, and the default model; scripts/test.sh runs it"]
 fn an_endpoint_that_refuses_or_hangs_loses_no_history() {
-    let dir = TempDir::new("observability-down");
+    let dir = temp_dir("observability-down");
     let refusing = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}", listener.local_addr().unwrap())

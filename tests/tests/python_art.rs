@@ -10,7 +10,7 @@ use art_e2e::{python_check, smollm2};
 async fn python_art_trains_through_the_serverless_backend_api() {
     let python = std::env::var_os("ART_TEST_ART_PYTHON")
         .expect("set ART_TEST_ART_PYTHON to a Python with openpipe-art (scripts/setup-python.sh .venv-art, as scripts/test.sh does)");
-    let model = smollm2().expect("the default model (scripts/fetch-models.sh)");
+    let model = smollm2();
     let binary = art_e2e::art_binary();
     let stdout = python_check(
         python,

@@ -6,7 +6,7 @@ use art_core::server::ServeOptions;
 use art_core::{
     ruler_score_group, ChatEndpoint, Message, RulerOptions, Trajectory, TrajectoryGroup,
 };
-use art_e2e::{smollm2, TempDir, TestServer};
+use art_e2e::{smollm2, temp_dir, TestServer};
 
 fn answered(answer: &str, reward: f64) -> Trajectory {
     let mut trajectory = Trajectory::new([
@@ -20,8 +20,8 @@ fn answered(answer: &str, reward: f64) -> Trajectory {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn our_own_server_judges_a_group_with_valid_scores() {
-    let Some(model) = smollm2() else { return };
-    let dir = TempDir::new("ruler-judge");
+    let model = smollm2();
+    let dir = temp_dir("ruler-judge");
     let options = ServeOptions {
         model: model.display().to_string(),
         served_model_name: Some("judge".into()),

@@ -286,7 +286,7 @@ async fn sft_jobs_learn_a_jsonl_file() {
     assert_eq!(status, 200, "{model}");
 
     // As ART's ServerlessBackend writes it: `messages` and (optional) `tools` per line.
-    let data = art_e2e::TempDir::new("sft-data");
+    let data = art_e2e::temp_dir("sft-data");
     let lines: Vec<String> = ["2+2", "3+3", "4+4"]
         .iter()
         .map(|q| {

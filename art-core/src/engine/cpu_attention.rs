@@ -9,6 +9,8 @@
 use candle_core::{DType, Tensor};
 
 use super::error::{EngineError, Result};
+use rayon::prelude::*;
+
 use super::ops::{self, dot, max_of, sum_of, Real, Simd};
 
 /// Multiply-adds (of each half, scores and values) from which the batch is split across threads.
@@ -66,15 +68,21 @@ pub(crate) fn decode(q: &Tensor, keys: &[Tensor], values: &[Tensor]) -> Result<T
         values,
         heads,
         hd,
-        out: out.as_mut_ptr() as usize,
     };
-    // Work items: (sequence, key/value head); each computes the query heads that share it.
+    // Work items: (sequence, key/value head), in that order; each computes the query heads that
+    // share the key/value head, whose outputs are the item's own chunk of `out`.
     let kv = keys.first().map_or(1, |c| c.kv);
+    let chunk = (heads / kv) * hd;
     let simd = Simd::detect();
-    // SAFETY: `detect` checked the CPU features `run` uses; items write disjoint outputs.
-    let run = |item: usize| unsafe { job.run(item / kv, item % kv, simd) };
+    // SAFETY: `detect` checked the CPU features `run` uses.
+    let run =
+        |(item, out): (usize, &mut [f32])| unsafe { job.run(item / kv, item % kv, simd, out) };
     let work: usize = keys.iter().map(|k| k.len).sum::<usize>() * heads * hd;
-    ops::for_each_index(batch * kv, work >= PARALLEL_WORK, run);
+    if work >= PARALLEL_WORK {
+        out.par_chunks_mut(chunk).enumerate().for_each(run);
+    } else {
+        out.chunks_mut(chunk).enumerate().for_each(run);
+    }
     drop(guards);
     Ok(Tensor::from_vec(out, (batch, heads, 1, hd), q.device())?)
 }
@@ -100,52 +108,51 @@ struct Job<'a> {
     values: &'a [CacheView<'a>],
     heads: usize,
     hd: usize,
-    /// Address of the `[B, H, hd]` output.
-    out: usize,
 }
 
 impl Job<'_> {
-    /// The query heads of sequence `b` that share key/value head `g`.
+    /// The query heads of sequence `b` that share key/value head `g`, into `out` (their
+    /// `[n_rep, hd]` outputs), compiled for `simd`.
     ///
     /// # Safety
-    /// `simd` must be supported by this CPU, and no other call may run with the same `(b, g)`.
-    unsafe fn run(&self, b: usize, g: usize, simd: Simd) {
+    /// `simd` must be supported by this CPU (as [`Simd::detect`] says).
+    unsafe fn run(&self, b: usize, g: usize, simd: Simd, out: &mut [f32]) {
         match simd {
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512 => unsafe { self.run_avx512(b, g) },
+            // SAFETY: the caller's: the CPU has AVX-512.
+            Simd::Avx512 => unsafe { self.run_avx512(b, g, out) },
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => unsafe { self.run_avx2(b, g) },
-            _ => unsafe { self.run_any(b, g) },
+            // SAFETY: the caller's: the CPU has AVX2 and FMA.
+            Simd::Avx2 => unsafe { self.run_avx2(b, g, out) },
+            _ => self.run_any(b, g, out),
         }
     }
 
+    /// # Safety
+    /// The CPU must have AVX-512F.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    unsafe fn run_avx512(&self, b: usize, g: usize) {
-        unsafe { self.run_any(b, g) }
+    unsafe fn run_avx512(&self, b: usize, g: usize, out: &mut [f32]) {
+        self.run_any(b, g, out)
     }
 
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2(&self, b: usize, g: usize) {
-        unsafe { self.run_any(b, g) }
+    unsafe fn run_avx2(&self, b: usize, g: usize, out: &mut [f32]) {
+        self.run_any(b, g, out)
     }
 
+    /// Inlined into the `target_feature` variants, so that the compiler vectorises it for them.
     #[inline(always)]
-    unsafe fn run_any(&self, b: usize, g: usize) {
+    fn run_any(&self, b: usize, g: usize, out: &mut [f32]) {
         let (keys, values, hd) = (&self.keys[b], &self.values[b], self.hd);
         let n_rep = self.heads / keys.kv;
         let mut scores = vec![0f32; keys.len];
-        for h in g * n_rep..(g + 1) * n_rep {
+        for (r, out) in out.chunks_mut(hd).enumerate() {
+            let h = g * n_rep + r;
             let query = &self.q[(b * self.heads + h) * hd..][..hd];
-            // SAFETY: the caller's: (b, g) is this call's alone, so heads g*n_rep..(g+1)*n_rep
-            // of sequence b are written by nobody else.
-            let out = unsafe {
-                std::slice::from_raw_parts_mut(
-                    (self.out as *mut f32).add((b * self.heads + h) * hd),
-                    hd,
-                )
-            };
             // softmax(q K^T) V for this head.
             for (t, s) in scores.iter_mut().enumerate() {
                 *s = dot(query, keys.row(g, t, hd));

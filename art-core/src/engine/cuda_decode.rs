@@ -403,6 +403,8 @@ impl candle_core::CustomOp3 for DecodeAttention {
             // SAFETY: the table holds live cache buffers with room for each row's position.
             unsafe { builder.launch(cfg) }.w()?;
 
+            // SAFETY: uninitialised, and never read before the attention kernel below writes all
+            // of it (one block per sequence and head, each writing its head's `hd` outputs).
             let out = unsafe { dev.alloc::<T>((b * h * hd) as usize)? };
             let attn =
                 dev.get_or_load_custom_func(&format!("art_decode_attn_{suffix}"), MODULE, ptx)?;

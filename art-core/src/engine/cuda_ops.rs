@@ -307,6 +307,8 @@ pub(crate) struct Launch<'a> {
     pub out_len: usize,
     pub ints: [i32; 4],
     pub float: f32,
+    /// Enough blocks (of `threads`) for the kernel to write all `out_len` elements; 0 only when
+    /// there is nothing to compute (the output is then never read).
     pub blocks: u32,
     pub threads: u32,
 }
@@ -347,6 +349,8 @@ impl Launch<'_> {
             .iter()
             .map(|(slice, layout)| view(slice, layout, self.name))
             .collect::<Result<Vec<_>>>()?;
+        // SAFETY: uninitialised; as `blocks` promises, the kernel writes every element, or there
+        // is nothing to compute and the output is never read.
         let out = unsafe { dev.alloc::<T>(self.out_len.max(1))? };
         if self.blocks == 0 {
             return Ok(out);
@@ -404,6 +408,8 @@ pub(crate) fn target_logprob(
     let dev = logits.device.clone();
     let n = targets.len();
     let tg = dev.clone_htod(targets)?;
+    // SAFETY: uninitialised, and never read before the kernel below writes both statistics of
+    // every row (or, with no row, not at all).
     let out = unsafe { dev.alloc::<f32>(2 * n) }?;
     if n == 0 {
         return Ok(CudaStorage {
@@ -459,6 +465,8 @@ pub(crate) fn target_logprob_grad(
     macro_rules! launch {
         ($s:expr, $ty:ty, $suffix:literal) => {{
             let x = view($s, logits.1, what)?;
+            // SAFETY: uninitialised, and never read before the kernel below writes every row's
+            // `v` gradients.
             let out = unsafe { dev.alloc::<$ty>(n * v) }?;
             let func = dev.get_or_load_custom_func(
                 concat!("art_target_logprob_grad_", $suffix),

@@ -175,6 +175,8 @@ impl candle_core::CustomOp2 for SampleOp {
         let (logits, params) = (logits.slice(a0..a1), params.slice(p0..p1));
         let dev = s1.device.clone();
         let func = dev.get_or_load_custom_func("art_sample_f32", MODULE, ptx()?)?;
+        // SAFETY: uninitialised, and never read before the kernel below writes it: one block per
+        // row, each writing its row's four values.
         let out = unsafe { dev.alloc::<f64>(4 * b)? };
         let mut builder = func.builder();
         builder.arg(&logits);

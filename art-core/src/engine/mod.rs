@@ -144,6 +144,33 @@ impl Engine {
         self.info.chat_template.as_deref()
     }
 
+    /// The model's chat template compiled with the special tokens it renders with, if it ships
+    /// one: what the server renders prompts with and the trainer renders conversations with (the
+    /// same, so that the context trained on is the context sampled from). `eos_token` is the
+    /// end-of-turn marker when the template has one (`<|im_end|>` for ChatML, whatever the
+    /// tokenizer's end of text), so that an assistant turn ends where the model stops generating.
+    pub fn compiled_chat_template(
+        &self,
+    ) -> std::result::Result<Option<chat_template::ChatTemplate>, chat_template::ChatTemplateError>
+    {
+        let Some(source) = self.chat_template() else {
+            return Ok(None);
+        };
+        let mut template = chat_template::ChatTemplate::new(source)?;
+        if let Some(bos) = &self.info.bos_token {
+            template = template.with_bos_token(bos.clone());
+        }
+        let end_of_turn = ["<|im_end|>", "<|eot_id|>", "<|end|>"]
+            .into_iter()
+            .find(|marker| source.contains(marker))
+            .map(String::from)
+            .or_else(|| self.info.eos_token.clone());
+        if let Some(eos) = end_of_turn {
+            template = template.with_eos_token(eos);
+        }
+        Ok(Some(template))
+    }
+
     /// Token ids that end a generation.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.info.eos_token_ids

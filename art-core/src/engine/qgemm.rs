@@ -159,6 +159,11 @@ impl PackedWeight {
         super::ops::for_each_index(pairs, m * self.n * self.k >= PARALLEL_MACS, run);
     }
 
+    /// Every row of the output, in the columns of panels `first..first + count`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, BW and VNNI; `dst` must be valid for the `[m, n]` output, and
+    /// no other thread may write these panels' columns.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn pair_all_rows(
         &self,
@@ -197,6 +202,9 @@ impl PackedWeight {
 
     /// Rows `row..row + R` of the output, columns of panels `first..first + P`, over all of `k`.
     /// `B` is the weight width in bits (4 or 8).
+    ///
+    /// # Safety
+    /// As [`PackedWeight::pair_all_rows`], with `row + R <= m` and `first + P` panels at most.
     // Indices, not iterators: `r` and `p` address a register tile in two arrays at once.
     #[allow(clippy::needless_range_loop)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]

@@ -104,6 +104,9 @@ struct Tile<'a> {
 impl Tile<'_> {
     /// The tile's input rows and `N` weight rows; weight rows past `count` read the tile's first
     /// row again (valid memory), their sums are not stored.
+    ///
+    /// # Safety
+    /// `row + R <= m` and `first + count <= n` for the `[m, k]` input and `[n, k]` weight.
     unsafe fn rows<const R: usize, const N: usize>(&self) -> ([*const f32; R], [*const f32; N]) {
         let x_rows = std::array::from_fn(|r| self.x.as_ptr().add((self.row + r) * self.k));
         let w_rows = std::array::from_fn(|j| {
@@ -113,6 +116,9 @@ impl Tile<'_> {
         (x_rows, w_rows)
     }
 
+    /// # Safety
+    /// As [`Tile::rows`], with `dst` valid for the `[m, n]` output and no other thread writing
+    /// columns `first..first + count`.
     unsafe fn store<const R: usize, const N: usize>(&self, sums: impl Fn(usize, usize) -> f32) {
         for r in 0..R {
             for j in 0..self.count.min(N) {
@@ -121,6 +127,8 @@ impl Tile<'_> {
         }
     }
 
+    /// # Safety
+    /// As [`Tile::store`], on a CPU with AVX-512F.
     #[target_feature(enable = "avx512f")]
     unsafe fn avx512<const R: usize>(&self) {
         const N: usize = TILE_N_AVX512;
@@ -147,6 +155,8 @@ impl Tile<'_> {
         self.store::<R, N>(|r, j| _mm512_reduce_add_ps(acc[r][j]));
     }
 
+    /// # Safety
+    /// As [`Tile::store`], on a CPU with AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn avx2<const R: usize>(&self) {
         const N: usize = TILE_N_AVX2;
@@ -183,6 +193,10 @@ impl Tile<'_> {
     }
 }
 
+/// The sum of the eight lanes.
+///
+/// # Safety
+/// The CPU must have AVX2.
 #[target_feature(enable = "avx2")]
 unsafe fn horizontal_sum(v: __m256) -> f32 {
     let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

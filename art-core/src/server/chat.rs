@@ -81,9 +81,12 @@ fn prepare(
             "`messages` is empty; send at least one message.",
         ));
     }
-    let tools = request.tools.as_deref().filter(|tools| !tools.is_empty());
+    let offered = request.tools.as_deref().filter(|tools| !tools.is_empty());
+    // With `tool_choice: "none"` the prompt still lists the tools (as OpenAI's models see them,
+    // and as the trainer renders the trajectory, which does not know the tool choice); only the
+    // reply is not read as a tool call.
     let tool_choice_none = request.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
-    let tools = tools.filter(|_| !tool_choice_none);
+    let tools = offered.filter(|_| !tool_choice_none);
     let template = state.template.as_ref().ok_or_else(|| {
         ApiError::bad_request(
             "This model ships no chat template, so it cannot serve chat completions.",
@@ -91,7 +94,7 @@ fn prepare(
     })?;
     let tool_format = tools.map(|_| template.tool_call_format());
     let conversation =
-        conversation_for_template(&request.messages, tools, template.tool_call_format());
+        conversation_for_template(&request.messages, offered, template.tool_call_format());
     let mut render = RenderOptions::generation();
     render.kwargs = request.chat_template_kwargs.clone().unwrap_or_default();
     let prompt_text = template

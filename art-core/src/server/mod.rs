@@ -109,7 +109,9 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
             crate::engine::quantized_kernels()
         );
     }
-    let template = state::chat_template(&engine)
+    // The trainer renders conversations with the same template (one builder for both).
+    let template = engine
+        .compiled_chat_template()
         .map_err(|e| anyhow::anyhow!("the model's chat template: {e}"))?;
     let base_model = options
         .served_model_name

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::backend::RegisterRequest;
-use crate::train::{checkpoint_metrics, list_checkpoints, Trainer};
+use crate::train::{checkpoint_metrics, list_checkpoints, TrainError, Trainer};
 use crate::types::{
     CursorPage, DeleteStepsRequest, DeleteStepsResponse, ExperimentalConfig, JobEventKind,
     LogRequest, Message, PreviewCheckpoint, PreviewModel, PreviewModelRequest, SftEvent,
@@ -19,7 +19,7 @@ use crate::types::{
 
 use super::art::{register_model, RegisteredModel};
 use super::error::{ApiError, ApiJson};
-use super::jobs::object;
+use super::jobs::{object, Job};
 use super::state::AppState;
 use super::training::{check_sft_request, run_sft, run_step, sft_span, step_span, train_error};
 
@@ -271,15 +271,9 @@ pub async fn create_training_job(
                     .map(|(name, value)| (name, json!(value)))
                     .collect();
                 job.push(JobEventKind::GradientStep, metrics);
-                job.push(
-                    JobEventKind::TrainingEnded,
-                    object(json!({"step": result.step})),
-                );
+                end_job(&job, Ok(result.step));
             }
-            Err(e) => job.push(
-                JobEventKind::TrainingFailed,
-                object(json!({"error_message": e.to_string()})),
-            ),
+            Err(e) => end_job(&job, Err(e)),
         }
     });
     Ok(ApiJson(TrainingJob { id }))
@@ -331,18 +325,20 @@ pub async fn create_sft_training_job(
                 SftEvent::Result(_) | SftEvent::Error { .. } => {}
             },
         );
-        match outcome {
-            Ok(result) => job.push(
-                JobEventKind::TrainingEnded,
-                object(json!({"step": result.step})),
-            ),
-            Err(e) => job.push(
-                JobEventKind::TrainingFailed,
-                object(json!({"error_message": e.to_string()})),
-            ),
-        }
+        end_job(&job, outcome.map(|result| result.step));
     });
     Ok(ApiJson(TrainingJob { id }))
+}
+
+/// A job's last event: `training_ended` at the step it made, or `training_failed` saying why.
+fn end_job(job: &Job, outcome: Result<u64, TrainError>) {
+    match outcome {
+        Ok(step) => job.push(JobEventKind::TrainingEnded, object(json!({"step": step}))),
+        Err(e) => job.push(
+            JobEventKind::TrainingFailed,
+            object(json!({"error_message": e.to_string()})),
+        ),
+    }
 }
 
 /// One line of an SFT data file, as ART writes it.

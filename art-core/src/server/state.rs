@@ -179,19 +179,3 @@ impl AppState {
         self.engine.decode(&[id], false).unwrap_or_default()
     }
 }
-
-/// The chat template the model ships, with its special tokens, if it has one.
-pub fn chat_template(engine: &Engine) -> Result<Option<ChatTemplate>, String> {
-    let Some(source) = engine.chat_template() else {
-        return Ok(None);
-    };
-    let info = engine.tokenizer_info();
-    let mut template = ChatTemplate::new(source).map_err(|e| e.to_string())?;
-    if let Some(bos) = &info.bos_token {
-        template = template.with_bos_token(bos.clone());
-    }
-    if let Some(eos) = &info.eos_token {
-        template = template.with_eos_token(eos.clone());
-    }
-    Ok(Some(template))
-}

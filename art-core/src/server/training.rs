@@ -145,22 +145,36 @@ async fn ndjson_events<E: Serialize + Send + 'static>(
         .into_response())
 }
 
-/// A step's `train_step` span, under the client's: it spans the wait for the trainer and the
-/// step itself, and carries the step's metrics.
-pub(super) fn step_span(model: &str, groups: usize) -> opentelemetry::Context {
+/// A training call's span (`train_step` or `train_sft`), under the client's: it spans the wait
+/// for the trainer and the call itself, and carries the new step's metrics.
+pub(super) fn trainer_span(
+    name: &'static str,
+    model: &str,
+    what: &'static str,
+    count: usize,
+) -> opentelemetry::Context {
     telemetry::start(
-        "train_step",
+        name,
         SpanKind::Server,
         vec![
             KeyValue::new("art.model", model.to_string()),
-            KeyValue::new("art.groups", groups as i64),
+            KeyValue::new(what, count as i64),
         ],
     )
 }
 
-/// One training step of `model`, on the calling (blocking) thread: waits for the model's
-/// trainer (steps of one model queue there), trains, publishes the new step and appends its
-/// metrics to the model's history. A client that went away does not stop it.
+/// A GRPO step's span.
+pub(super) fn step_span(model: &str, groups: usize) -> opentelemetry::Context {
+    trainer_span("train_step", model, "art.groups", groups)
+}
+
+/// A supervised fine-tuning call's span.
+pub(super) fn sft_span(model: &str, trajectories: usize) -> opentelemetry::Context {
+    trainer_span("train_sft", model, "art.trajectories", trajectories)
+}
+
+/// One training step of `model`, on the calling (blocking) thread (see [`on_trainer`]); its
+/// metrics go to the history as split `train`.
 pub(super) fn run_step(
     model: &RegisteredModel,
     groups: &[TrajectoryGroup],
@@ -168,35 +182,12 @@ pub(super) fn run_step(
     span: opentelemetry::Context,
     on_progress: impl FnMut(TrainProgress),
 ) -> Result<StepResult, TrainError> {
-    let _in_span = span.clone().attach();
-    let mut trainer = model
-        .trainer
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let outcome = trainer.train(groups, config, on_progress);
-    if let Ok(result) = &outcome {
-        publish_step(model, result.step, "train", &result.metrics);
-    }
-    telemetry::end_with(&span, &outcome, |result| {
-        step_attributes(result.step, "train", &result.metrics)
-    });
-    outcome
+    let work = |trainer: &mut Trainer| trainer.train(groups, config, on_progress);
+    on_trainer(model, span, "train", work, |r| (r.step, &r.metrics))
 }
 
-/// A `train_sft` span, as [`step_span`] for a supervised call.
-pub(super) fn sft_span(model: &str, trajectories: usize) -> opentelemetry::Context {
-    telemetry::start(
-        "train_sft",
-        SpanKind::Server,
-        vec![
-            KeyValue::new("art.model", model.to_string()),
-            KeyValue::new("art.trajectories", trajectories as i64),
-        ],
-    )
-}
-
-/// Supervised fine-tuning of `model`, on the calling (blocking) thread, as [`run_step`] runs a
-/// GRPO step; its metrics go to the history as split `sft`.
+/// Supervised fine-tuning of `model`, on the calling (blocking) thread (see [`on_trainer`]); its
+/// metrics go to the history as split `sft`.
 pub(super) fn run_sft(
     model: &RegisteredModel,
     trajectories: &[Trajectory],
@@ -204,17 +195,33 @@ pub(super) fn run_sft(
     span: opentelemetry::Context,
     on_event: impl FnMut(SftEvent),
 ) -> Result<SftResult, TrainError> {
+    let work = |trainer: &mut Trainer| trainer.train_sft(trajectories, config, on_event);
+    on_trainer(model, span, "sft", work, |r| (r.step, &r.metrics))
+}
+
+/// Runs `work` on `model`'s trainer in `span`: waits for the trainer (training calls of one
+/// model queue there), then publishes the new step and appends its metrics (`outcome` says
+/// which) to the model's history under `split`. A client that went away does not stop it.
+fn on_trainer<R>(
+    model: &RegisteredModel,
+    span: opentelemetry::Context,
+    split: &str,
+    work: impl FnOnce(&mut Trainer) -> Result<R, TrainError>,
+    outcome_of: fn(&R) -> (u64, &StepMetrics),
+) -> Result<R, TrainError> {
     let _in_span = span.clone().attach();
     let mut trainer = model
         .trainer
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let outcome = trainer.train_sft(trajectories, config, on_event);
+    let outcome = work(&mut trainer);
     if let Ok(result) = &outcome {
-        publish_step(model, result.step, "sft", &result.metrics);
+        let (step, metrics) = outcome_of(result);
+        publish_step(model, step, split, metrics);
     }
     telemetry::end_with(&span, &outcome, |result| {
-        step_attributes(result.step, "sft", &result.metrics)
+        let (step, metrics) = outcome_of(result);
+        step_attributes(step, split, metrics)
     });
     outcome
 }

@@ -43,25 +43,13 @@ impl TrainSequence {
     }
 }
 
-/// The chat template a model's conversations are rendered with: its own template, with the
-/// special tokens it expects. The end-of-turn marker (`<|im_end|>` for ChatML) is used as
-/// `eos_token`, so that an assistant turn ends where the model stops generating.
+/// The chat template a model's conversations are rendered with: the server's
+/// ([`Engine::compiled_chat_template`]); a model without one cannot be trained.
 pub fn chat_template_for(engine: &Engine) -> Result<ChatTemplate> {
-    let source = engine.chat_template().ok_or(TrainError::NoChatTemplate)?;
-    let info = engine.tokenizer_info();
-    let mut template = ChatTemplate::new(source).map_err(TrainError::BadChatTemplate)?;
-    if let Some(bos) = &info.bos_token {
-        template = template.with_bos_token(bos.clone());
-    }
-    let end_of_turn = ["<|im_end|>", "<|eot_id|>", "<|end|>"]
-        .into_iter()
-        .find(|marker| source.contains(marker))
-        .map(String::from)
-        .or_else(|| info.eos_token.clone());
-    if let Some(eos) = end_of_turn {
-        template = template.with_eos_token(eos);
-    }
-    Ok(template)
+    engine
+        .compiled_chat_template()
+        .map_err(TrainError::BadChatTemplate)?
+        .ok_or(TrainError::NoChatTemplate)
 }
 
 /// A conversation's tokens as they are put together, before [`Tokenization::finish`].
