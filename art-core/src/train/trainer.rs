@@ -448,14 +448,17 @@ impl Trainer {
         let compute_s: f64 = updates.iter().map(|(u, _)| u.compute_s).sum();
         let trained_tokens: usize = updates.iter().map(|(u, _)| u.tokens).sum();
         let batch_metrics: Vec<SftBatchMetrics> = updates.iter().map(|(_, m)| m.clone()).collect();
+        // Token-weighted over the batches: the mean cross-entropy of every trained token. All of
+        // it is policy loss (there is no KL term).
+        let loss = updates
+            .iter()
+            .map(|(u, m)| u.loss * m.num_trainable_tokens as f64)
+            .sum::<f64>()
+            / trained_tokens.max(1) as f64;
         self.step = next_step;
         let metrics = StepMetrics {
-            loss: updates
-                .iter()
-                .map(|(u, m)| u.loss * m.num_trainable_tokens as f64)
-                .sum::<f64>()
-                / trained_tokens.max(1) as f64,
-            policy_loss: 0.0,
+            loss,
+            policy_loss: loss,
             entropy: updates.iter().map(|(u, _)| u.entropy_sum).sum::<f64>()
                 / trained_tokens.max(1) as f64,
             grad_norm: updates.iter().map(|(u, _)| u.grad_norm).sum::<f64>() / updates.len() as f64,
@@ -468,10 +471,6 @@ impl Trainer {
             tokens_per_second: per_second(num_tokens, compute_s),
             duration_s: started.elapsed().as_secs_f64(),
             ..Default::default()
-        };
-        let metrics = StepMetrics {
-            policy_loss: metrics.loss,
-            ..metrics
         };
         let checkpoint = match self.save_checkpoint(&metrics) {
             Ok(dir) => dir,
