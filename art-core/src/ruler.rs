@@ -259,15 +259,25 @@ async fn judge(
                     usage.prompt_tokens += u.prompt_tokens;
                     usage.completion_tokens += u.completion_tokens;
                 }
-                let text = completion
-                    .choices
-                    .first()
-                    .map(|c| c.to_message().text())
-                    .unwrap_or_default();
+                let choice = completion.choices.first();
+                let text = choice.map(|c| c.to_message().text()).unwrap_or_default();
+                let cut_off = choice.and_then(|c| c.finish_reason.as_deref()) == Some("length");
                 match parse_scores(&text, conversations.len()) {
                     Ok(scores) => {
                         usage.seconds = started.elapsed().as_secs_f64();
                         return Ok((scores, usage));
+                    }
+                    // A judge that rambles runs out of tokens before its JSON ends: say so, or the
+                    // parse error reads like a broken judge.
+                    Err(why) if cut_off => {
+                        problem = format!(
+                            "the answer was cut off at max_tokens ({}) before its JSON ended \
+                             (raise RulerOptions::max_tokens, or use a judge that writes shorter \
+                             explanations): {why}",
+                            request
+                                .max_tokens
+                                .map_or("the server's limit".into(), |n| n.to_string())
+                        )
                     }
                     Err(why) => problem = why,
                 }

@@ -108,6 +108,8 @@ enum Reply {
     Content(String),
     Status(u16),
     Slow(Duration, String),
+    /// An answer that ran out of tokens (`finish_reason: "length"`).
+    CutOff(String),
 }
 
 #[derive(Clone, Default)]
@@ -124,6 +126,7 @@ async fn complete(State(judge): State<Judge>, Json(request): Json<Value>) -> Res
         .unwrap()
         .pop_front()
         .expect("the test scripted enough replies");
+    let mut finish_reason = "stop";
     let content = match reply {
         Reply::Status(code) => {
             let body = json!({"error": {"message": "judge exploded", "type": "server_error", "param": null, "code": null}});
@@ -134,10 +137,14 @@ async fn complete(State(judge): State<Judge>, Json(request): Json<Value>) -> Res
             content
         }
         Reply::Content(content) => content,
+        Reply::CutOff(content) => {
+            finish_reason = "length";
+            content
+        }
     };
     Json(json!({
         "id": "chatcmpl-judge", "object": "chat.completion", "created": 0, "model": "judge",
-        "choices": [{"index": 0, "finish_reason": "stop", "logprobs": null,
+        "choices": [{"index": 0, "finish_reason": finish_reason, "logprobs": null,
                      "message": {"role": "assistant", "content": content}}],
         "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120}
     }))
@@ -266,6 +273,20 @@ async fn a_judge_that_never_answers_well_is_an_error_or_a_dropped_group() {
         .await
         .unwrap();
     assert!(dropped.is_none());
+}
+
+#[tokio::test]
+async fn an_answer_cut_off_by_max_tokens_says_so() {
+    let rambling = r#"{"scores": [{"trajectory_id": "1", "explanation": "It said 19} and then"#;
+    let (_, endpoint) = start_judge(vec![Reply::CutOff(rambling.into())]).await;
+    let options = RulerOptions::new(endpoint).max_retries(0);
+    let error = ruler_score_group(group(), &options).await.unwrap_err();
+    let message = error.to_string();
+    assert!(
+        message.contains("cut off at max_tokens (1024)")
+            && message.contains("RulerOptions::max_tokens"),
+        "{message}"
+    );
 }
 
 #[tokio::test]

@@ -30,7 +30,11 @@ async fn our_own_server_judges_a_group_with_valid_scores() {
     };
     let server = TestServer::start(options, dir).await;
     let judge = ChatEndpoint::new(&server.base_url, &server.model);
-    let rulers = RulerOptions::new(judge).max_retries(0);
+    // Greedy, so that the run is the same on every machine: at temperature 1 this small judge
+    // now and then writes an explanation that runs past max_tokens (the answer is then cut, not
+    // invalid; RULER's error says so).
+    let mut rulers = RulerOptions::new(judge).max_retries(0);
+    rulers.temperature = Some(0.0);
 
     let group = TrajectoryGroup::new(vec![
         answered("19", 1.0),
