@@ -16,6 +16,10 @@ export ART_TEST_PYTHON="$ROOT/.venv/bin/python"
 export ART_TEST_ART_PYTHON="$ROOT/.venv-art/bin/python"
 export ART_TEST_BROWSER_PYTHON="$ROOT/.venv-browser/bin/python"
 export ART_MODELS_DIR="$ROOT/models"
+# The CPU thread settings `art serve` applies to itself (engine::process): the tests that load a
+# model in their own process get them from here (a test harness has threads: it cannot set them).
+export CANDLE_NUM_THREADS="${CANDLE_NUM_THREADS:-1}"
+export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-$(nproc)}"
 cargo test --workspace "$@"
 # Ignored by default (they need the Python clients above), in this order: the kernel test warms
 # the kernel's build cache (~10 min cold) that the notebooks then use (~5 min).

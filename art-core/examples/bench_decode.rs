@@ -15,6 +15,8 @@ use std::time::Instant;
 use art_core::engine::{Engine, GenerationRequest, LoadOptions, ModelSource, SamplingParams};
 
 fn main() {
+    // SAFETY: first thing in main: no other thread exists yet.
+    unsafe { art_core::engine::process::set_cpu_thread_defaults() };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut model = String::from("models/SmolLM2-135M-Instruct.Q4_1.gguf");
     let mut batches = vec![1usize, 8, 32];

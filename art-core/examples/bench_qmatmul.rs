@@ -7,6 +7,8 @@ use art_core::engine::candle::quantized::{GgmlDType, QMatMul, QTensor};
 use art_core::engine::candle::{Device, Module, Tensor};
 use std::time::Instant;
 fn main() {
+    // SAFETY: first thing in main: no other thread exists yet.
+    unsafe { art_core::engine::process::set_cpu_thread_defaults() };
     let dev = Device::Cpu;
     let w = Tensor::randn(0f32, 0.02, (1536, 576), &dev).unwrap();
     for dt in [GgmlDType::Q4_1, GgmlDType::Q8_0, GgmlDType::Q4_0] {

@@ -710,6 +710,9 @@ fn parity(device: &Device) {
 }
 
 fn main() {
+    // SAFETY: first thing in main: no other thread exists yet.
+    unsafe { art_core::engine::process::set_cpu_thread_defaults() };
+    art_core::engine::process::tune_allocator();
     let args = parse_args();
     let device = open_device(&args.device);
     match args.command.as_str() {

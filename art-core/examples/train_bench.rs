@@ -88,6 +88,9 @@ fn parse_args() -> Args {
 }
 
 fn main() {
+    // SAFETY: first thing in main: no other thread exists yet.
+    unsafe { art_core::engine::process::set_cpu_thread_defaults() };
+    art_core::engine::process::tune_allocator();
     let args = parse_args();
     let device = match args.device.as_str() {
         "cpu" => Device::Cpu,

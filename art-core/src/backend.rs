@@ -11,7 +11,7 @@ use std::time::Duration;
 use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::client::ChatEndpoint;
@@ -19,8 +19,8 @@ use crate::store::{HistoryEntry, LoggedMetrics, MetricGoal};
 use crate::telemetry;
 use crate::types::{
     CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse, HistoryList, LoraConfig,
-    SftBatchMetrics, SftConfig, SftEvent, SftResult, Split, StepResult, TrainConfig, TrainEvent,
-    TrainProgress, Trajectory, TrajectoryGroup, TrajectoryGroupList,
+    ModelInfo, RegisterRequest, SftBatchMetrics, SftConfig, SftEvent, SftResult, Split, StepResult,
+    TrainConfig, TrainEvent, TrainProgress, Trajectory, TrajectoryGroup, TrajectoryGroupList,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -313,29 +313,6 @@ impl std::fmt::Debug for TrainableModel {
             .field("backend", &self.http.base_url)
             .finish()
     }
-}
-
-/// `POST /v1/art/models`: what a client registers.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RegisterRequest {
-    pub name: String,
-    pub project: String,
-    /// The base model the client expects; must be the one the server serves (or left out).
-    #[serde(default)]
-    pub base_model: Option<String>,
-    #[serde(default)]
-    pub lora: LoraConfig,
-}
-
-/// The server's view of a registered model.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelInfo {
-    pub name: String,
-    pub project: String,
-    pub base_model: String,
-    /// Optimizer steps taken so far (0 = untrained: requests get the base model).
-    pub step: u64,
-    pub lora: LoraConfig,
 }
 
 impl TrainableModel {

@@ -17,11 +17,9 @@ use std::path::Path;
 use polars_core::prelude::*;
 use polars_io::prelude::*;
 
-use crate::store::history::HistoryEntry;
-use crate::store::metrics::mean_std;
 use crate::types::{
-    History, MessageOrChoice, MetadataValue, MetricValue, RolloutException, Tool, Trajectory,
-    TrajectoryGroup,
+    mean_std, History, HistoryEntry, MessageOrChoice, MetadataValue, MetricValue, RolloutException,
+    Tool, Trajectory, TrajectoryGroup,
 };
 
 pub use polars_core::frame::DataFrame;

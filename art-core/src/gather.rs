@@ -12,6 +12,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use opentelemetry::trace::{FutureExt as _, SpanKind};
 use opentelemetry::{Context, KeyValue};
 
+pub use crate::display::GatherProgress;
 use crate::telemetry;
 use crate::types::{MetadataValue, RolloutException, Trajectory, TrajectoryGroup};
 
@@ -165,18 +166,6 @@ impl From<f64> for MaxExceptions {
             MaxExceptions::Count(value as usize)
         }
     }
-}
-
-/// Where gathering stands, for progress displays.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GatherProgress {
-    pub total: usize,
-    pub done: usize,
-    pub exceptions: usize,
-    pub groups_total: usize,
-    pub groups_done: usize,
-    /// Mean reward over the finished trajectories so far (before any `after_each` rescoring).
-    pub reward_mean: Option<f64>,
 }
 
 /// Options of [`gather_trajectory_groups`], built with chained setters.

@@ -20,8 +20,7 @@ pub mod telemetry;
 pub mod types;
 
 pub use backend::{
-    Backend, BackendError, LocalBackend, LocalBackendOptions, ModelInfo, RemoteBackend,
-    TrainableModel,
+    Backend, BackendError, LocalBackend, LocalBackendOptions, RemoteBackend, TrainableModel,
 };
 pub use client::{ChatEndpoint, ClientError};
 pub use dataset::{iterate_dataset, DatasetBatch};

@@ -8,7 +8,7 @@
 //! to the kernel as an ordinary output line.
 
 use std::io::{Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 
 /// The line the relay adds after a failed `?`; the kernel removes it from the output.
 pub const CELL_FAILED: &str = "ART_KERNEL_CELL_FAILED";
@@ -34,24 +34,28 @@ pub fn relay_stdout_if_child() {
 
 fn start_relay() -> std::io::Result<()> {
     let mut fds = [0; 2];
-    // SAFETY: plain POSIX calls on descriptors this function owns; fd 1 is replaced atomically by
-    // dup2, and the original is kept in `parent` for the relay to write to.
-    let (reader, parent) = unsafe {
+    // SAFETY: `pipe` writes two fresh descriptors into `fds`, which nothing else owns; each is
+    // wrapped in an `OwnedFd` at once, so every early return below closes them.
+    let (reader, writer) = unsafe {
         if libc::pipe(fds.as_mut_ptr()) != 0 {
             return Err(std::io::Error::last_os_error());
         }
-        let parent = libc::dup(1);
-        if parent < 0 || libc::dup2(fds[1], 1) < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        libc::close(fds[1]);
-        (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(parent))
+        (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1]))
     };
+    // The original stdout, kept for the relay to write to.
+    let parent = std::io::stdout().as_fd().try_clone_to_owned()?;
+    // The relay starts before stdout is redirected, so a failed start leaves stdout as it was.
     std::thread::Builder::new()
         .name("art-kernel-stdout-relay".into())
         .spawn(move || {
             let _ = relay(std::fs::File::from(reader), std::fs::File::from(parent));
         })?;
+    // SAFETY: dup2 onto fd 1 replaces stdout atomically; both descriptors are valid and owned
+    // here. The pipe's write end is closed when `writer` drops (fd 1 keeps the pipe open; if
+    // dup2 fails, the relay sees the end of its input and stops).
+    if unsafe { libc::dup2(writer.as_raw_fd(), 1) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
     Ok(())
 }
 

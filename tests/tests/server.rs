@@ -176,6 +176,44 @@ async fn streaming_sends_the_same_text_in_chunks() {
     assert_eq!(chunks.last().unwrap()["usage"], whole["usage"]);
 }
 
+/// A stop string is settled once, by the scheduler: the text ends before its first occurrence,
+/// and the streamed deltas (which hold back what may start a stop string) add up to the same text.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_string_cuts_the_text_the_same_streamed_or_not() {
+    let server = TestServer::tiny(|_| {}).await;
+    let request = |extra: Value| {
+        let mut body = chat(json!({"seed": 11, "max_tokens": 48, "ignore_eos": true}));
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let (_, free) = post(&server, request(json!({}))).await;
+    let text = free["choices"][0]["message"]["content"].as_str().unwrap();
+    // A three-character stop string from the middle of the free answer.
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 12, "{text:?}");
+    let middle = chars.len() / 2;
+    let stop: String = chars[middle..middle + 3].iter().collect();
+    let expected = &text[..text.find(&stop).unwrap()];
+
+    let (_, cut) = post(&server, request(json!({"stop": [stop]}))).await;
+    assert_eq!(cut["choices"][0]["message"]["content"], expected);
+    assert_eq!(cut["choices"][0]["finish_reason"], "stop");
+    let chunks = stream_chunks(&server, request(json!({"stop": [stop], "stream": true}))).await;
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0)?["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(streamed, expected);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "stop");
+    assert_eq!(
+        last["choices"][0]["token_ids"],
+        cut["choices"][0]["token_ids"]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_requests_get_openai_errors() {
     let server = TestServer::tiny(|_| {}).await;

@@ -67,6 +67,10 @@ struct ServeArgs {
     /// restarted or shut down).
     #[arg(long)]
     exit_with_stdin: bool,
+    /// Keep freed memory in the process for reuse (glibc's allocator; faster CPU training, at the
+    /// price of a process that keeps its peak heap). `off` leaves glibc's defaults.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    malloc_tuning: String,
 }
 
 fn device(name: &str) -> anyhow::Result<art_core::engine::Device> {
@@ -95,12 +99,28 @@ fn exit_when_stdin_closes() {
     });
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // SAFETY: no other thread exists yet (the runtime starts below).
+    unsafe { art_core::engine::process::set_cpu_thread_defaults() };
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
         Command::Serve(args) => {
             if args.exit_with_stdin {
                 exit_when_stdin_closes();
+            }
+            if args.malloc_tuning == "on" {
+                art_core::engine::process::tune_allocator();
+            }
+            let changed = art_core::engine::switches::changed();
+            if !changed.is_empty() {
+                eprintln!("art serve: engine switches changed: {}", changed.join(" "));
             }
             let load = art_core::engine::LoadOptions {
                 device: device(&args.device)?,

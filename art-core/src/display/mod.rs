@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde_json::Value;
 
 pub use html::{escape_html, STYLE};
-pub use progress::GatherProgressView;
+pub use progress::{GatherProgress, GatherProgressView};
 pub use tensorboard::{tensorboard, tensorboard_with, TensorBoard, TensorBoardError};
 pub use training::TrainingView;
 use wire::DisplayMessage;

@@ -7,7 +7,19 @@ use std::time::{Duration, Instant};
 
 use super::html::{escape_html, format_number, styled};
 use super::{Display, MimeBundle, Render};
-use crate::gather::GatherProgress;
+
+/// Where gathering stands (what [`gather_trajectory_groups`](crate::gather_trajectory_groups)
+/// reports to progress hooks and views).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatherProgress {
+    pub total: usize,
+    pub done: usize,
+    pub exceptions: usize,
+    pub groups_total: usize,
+    pub groups_done: usize,
+    /// Mean reward over the finished trajectories so far (before any `after_each` rescoring).
+    pub reward_mean: Option<f64>,
+}
 
 /// Updates are sent at most this often (the last one always goes out).
 const MIN_INTERVAL: Duration = Duration::from_millis(100);

@@ -15,7 +15,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::error::Result;
-use super::switch::EnvSwitch;
+use super::switches;
 
 /// The longest cache the attention kernel takes (its scores live in 48 KB of shared memory).
 pub(crate) const MAX_LEN: usize = 11_000;
@@ -45,8 +45,7 @@ pub(crate) fn available(device: &Device, dtype: DType, head_dim: usize) -> bool 
 }
 
 fn enabled() -> bool {
-    static DECODE_KERNEL: EnvSwitch = EnvSwitch::new("ART_DECODE_KERNEL");
-    DECODE_KERNEL.on()
+    switches::DECODE_KERNEL.on()
 }
 
 /// The raw device address of a contiguous CUDA tensor's first element.

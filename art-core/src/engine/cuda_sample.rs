@@ -17,20 +17,18 @@ use candle_core::{DType, Tensor};
 
 use super::error::Result;
 use super::sampler::{DeviceDraw, DeviceResult};
-use super::switch::EnvSwitch;
-
-static SAMPLE_ON_DEVICE: EnvSwitch = EnvSwitch::new("ART_GPU_SAMPLE");
+use super::switches::GPU_SAMPLE;
 
 /// Whether decode steps sample on the GPU (`ART_GPU_SAMPLE=0` turns it off).
 pub(crate) fn enabled() -> bool {
-    SAMPLE_ON_DEVICE.on()
+    GPU_SAMPLE.on()
 }
 
 /// Turns sampling on the GPU on (the default) or off (every row is copied to the host and
 /// sampled there, as on the CPU). For benchmarks and checks that compare the two in one
 /// process; `ART_GPU_SAMPLE=0` sets the default.
 pub fn set_device_sampling(on: bool) {
-    SAMPLE_ON_DEVICE.set(on);
+    GPU_SAMPLE.set(on);
 }
 
 /// Checks the sampling kernel against its host reference ([`DeviceDraw::reference`]) on

@@ -16,13 +16,13 @@ use super::error::Result;
 pub fn cuda_device(ordinal: usize) -> Result<Device> {
     let device = Device::new_cuda_with_stream(ordinal)?;
     #[cfg(feature = "cuda")]
-    if std::env::var("ART_CUDA_EVENTS").map_or(true, |v| v != "1") {
+    if !super::switches::CUDA_EVENTS.on() {
         // SAFETY: every tensor of this device is made and used on its one stream (above), and
         // nothing has been allocated on it yet.
         unsafe { device.as_cuda_device()?.disable_event_tracking() };
     }
     #[cfg(feature = "cuda")]
-    if std::env::var("ART_CUDA_POOL_TRIM").map_or(true, |v| v != "1") {
+    if !super::switches::CUDA_POOL_TRIM.on() {
         keep_freed_memory(&device)?;
     }
     Ok(device)

@@ -11,12 +11,7 @@ use super::lora::LoraPair;
 use super::ops;
 #[cfg(target_arch = "x86_64")]
 use super::qgemm::PackedWeight;
-use super::switch::EnvSwitch;
-
-/// The repacked AVX-512 VNNI kernels for quantized weights (`ART_QGEMM=0`: candle's kernels).
-static PACKED_QGEMM: EnvSwitch = EnvSwitch::new("ART_QGEMM");
-/// Our kernel for dense products of a few rows (`ART_SKINNY_MATMUL=0`: candle's gemm).
-static SKINNY_MATMUL: EnvSwitch = EnvSwitch::new("ART_SKINNY_MATMUL");
+use super::switches::{QGEMM, SKINNY_MATMUL};
 
 /// `y = x W^T + b`, plus `scale * (x A^T) B^T` when a LoRA pair is given.
 #[derive(Debug, Clone)]
@@ -152,7 +147,7 @@ impl Linear {
         let Some(packed) = &self.packed else {
             return Ok(None);
         };
-        if x.dtype() != DType::F32 || !x.device().is_cpu() || !PACKED_QGEMM.on() {
+        if x.dtype() != DType::F32 || !x.device().is_cpu() || !QGEMM.on() {
             return Ok(None);
         }
         let rows = x.dims()[0];

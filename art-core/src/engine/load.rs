@@ -86,7 +86,6 @@ pub struct LoadedModel {
 
 /// Loads a model from `source`.
 pub fn load(source: &ModelSource, options: &LoadOptions) -> Result<LoadedModel> {
-    super::ops::configure_cpu_threads();
     let dtype = options.dtype.unwrap_or(if options.device.is_cpu() {
         DType::F32
     } else {

@@ -34,6 +34,7 @@ mod load;
 mod lora;
 mod model;
 pub(crate) mod ops;
+pub mod process;
 #[cfg(target_arch = "x86_64")]
 mod qgemm;
 pub mod random;
@@ -41,7 +42,8 @@ mod sampler;
 mod scheduler;
 #[cfg(target_arch = "x86_64")]
 mod skinny;
-mod switch;
+pub mod switches;
+mod text;
 mod tokenizer;
 pub mod tool_calls;
 

@@ -20,13 +20,9 @@ use super::error::{EngineError, Result};
 use super::linear::Linear;
 use super::lora::{LoraAdapter, Proj};
 use super::ops;
-use super::switch::EnvSwitch;
+use super::switches::MANUAL_BACKWARD;
 
 mod backward;
-
-/// The hand-written layer backward of checkpointed training (`ART_MANUAL_BACKWARD=0`: candle's
-/// autograd over each rebuilt layer instead, the reference).
-static MANUAL_BACKWARD: EnvSwitch = EnvSwitch::new("ART_MANUAL_BACKWARD");
 
 /// How to run one forward pass.
 #[derive(Debug, Clone, Copy, Default)]

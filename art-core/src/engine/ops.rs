@@ -18,7 +18,7 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use super::switch::EnvSwitch;
+use super::switches;
 
 /// Whether the fused kernels run for tensors like `t` (CPU f32 or f64, CUDA f32 or bf16, and not
 /// switched off with [`set_fused_ops`] or `ART_FUSED_OPS=0`).
@@ -57,67 +57,15 @@ fn warp_row_blocks(rows: usize, what: &str) -> Result<u32> {
     Ok(int(rows.div_ceil(ROW_THREADS as usize / 32), what)? as u32)
 }
 
-static FUSED: EnvSwitch = EnvSwitch::new("ART_FUSED_OPS");
-
 fn fused_ops() -> bool {
-    FUSED.on()
+    switches::FUSED_OPS.on()
 }
 
 /// Turns the fused CPU kernels on (the default) or off (candle's composite ops run instead,
 /// with the same results up to rounding). For benchmarks that measure the difference in one
 /// process, and for bisecting a numerical question; `ART_FUSED_OPS=0` sets the default.
 pub fn set_fused_ops(on: bool) {
-    FUSED.set(on);
-}
-
-/// Runs candle's element-wise CPU ops on the calling thread unless `CANDLE_NUM_THREADS` says
-/// otherwise. candle 0.11 hands every large element-wise op to a pool whose caller spins until
-/// the other workers report back; those ops are memory-bound (a second core gains little), and
-/// when the machine is shared the caller spins for as long as a descheduled worker sleeps:
-/// on a loaded 2-core machine a fifth of a training step's CPU time went to that spin. Matrix
-/// products keep every core (they go through gemm's rayon pool, which `RAYON_NUM_THREADS`
-/// sizes, read once here). Takes effect only before candle's first element-wise op, so model
-/// loading calls it.
-pub(crate) fn configure_cpu_threads() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // Before any candle op: nothing else in the engine reads the environment
-        // concurrently with this.
-        if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-            std::env::set_var("CANDLE_NUM_THREADS", "1");
-        }
-        // candle's CPU matmul sizes its gemm call from `RAYON_NUM_THREADS` and, when that is
-        // unset, counts the physical cores by reading /proc/cpuinfo, on every call: 14% of a
-        // decoding step at batch 8. Counted once here instead.
-        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-            let cores = candle_core::utils::get_num_threads();
-            std::env::set_var("RAYON_NUM_THREADS", cores.to_string());
-        }
-        configure_allocator();
-    });
-}
-
-/// Keeps freed memory in the process for reuse instead of returning it to the kernel at once.
-/// A training step allocates and frees hundreds of megabytes of activations and gradients;
-/// with glibc's defaults, every buffer above its adaptive threshold is a fresh `mmap` whose
-/// pages fault in and are zeroed on first touch: 17% of a CPU training step's time was system
-/// time. Here buffers up to 32 MiB (glibc's largest threshold) come from the heap, and up to
-/// 1 GiB of freed heap is kept. Measured on train_bench (SmolLM2, 8 x 128, three iterations,
-/// three alternating runs each way): system time 9.2-10.8 -> 5.8-6.4 s, 72.5 -> 77.8 tok/s on
-/// average. The price is a process that keeps its peak heap (`ART_MALLOC_TUNING=0` leaves
-/// glibc's defaults). Called with [`configure_cpu_threads`]; glibc only.
-fn configure_allocator() {
-    if std::env::var("ART_MALLOC_TUNING").is_ok_and(|v| v == "0") {
-        return;
-    }
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets allocator parameters; called once, before the engine allocates
-    // its tensors. A parameter it refuses stays at glibc's default.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
-        libc::mallopt(libc::M_TOP_PAD, 256 << 20);
-    }
+    switches::FUSED_OPS.set(on);
 }
 
 /// The float types the kernels are written for.

@@ -20,6 +20,7 @@ use super::error::{EngineError, Result};
 use super::lora::LoraAdapter;
 use super::model::{Forward, KvCache};
 use super::sampler::{DeviceDraw, SampledToken, Sampler, SamplingParams};
+use super::text::TextStream;
 use super::Engine;
 
 /// One generation request: a tokenized prompt and how to continue it.
@@ -88,6 +89,10 @@ pub struct TokenEvent {
     pub request: RequestId,
     pub index: usize,
     pub token: SampledToken,
+    /// The completion's text this token released: complete characters, never part of a stop
+    /// string (text that may start one waits, and comes with a later token). The deltas of a
+    /// completion's events add up to its [`Completion::text`].
+    pub text: String,
     /// Set when this token ended the completion.
     pub finished: Option<FinishReason>,
 }
@@ -101,6 +106,8 @@ struct Sequence {
     cache: KvCache,
     sampler: Sampler,
     adapter: Option<Arc<LoraAdapter>>,
+    /// The text of `generated`, decoded once per token.
+    text: TextStream,
     finish: Option<(FinishReason, String)>,
     /// The matcher of the request's constraint, if it has one.
     guide: Option<Guide>,
@@ -149,21 +156,19 @@ struct DecodeProfile {
 
 impl DecodeProfile {
     fn from_env() -> Option<Box<Self>> {
-        std::env::var("ART_PROFILE_DECODE")
-            .is_ok_and(|v| v == "1")
-            .then(|| {
-                Box::new(DecodeProfile {
-                    mark: Instant::now(),
-                    forwards: 0,
-                    rows: 0,
-                    forward: 0.0,
-                    to_host: 0.0,
-                    sample: 0.0,
-                    accept: 0.0,
-                    prefill: 0.0,
-                    retire: 0.0,
-                })
+        super::switches::PROFILE_DECODE.on().then(|| {
+            Box::new(DecodeProfile {
+                mark: Instant::now(),
+                forwards: 0,
+                rows: 0,
+                forward: 0.0,
+                to_host: 0.0,
+                sample: 0.0,
+                accept: 0.0,
+                prefill: 0.0,
+                retire: 0.0,
             })
+        })
     }
 
     /// Seconds since the last lap.
@@ -399,6 +404,7 @@ impl<'e> Scheduler<'e> {
                     cache,
                     sampler: Sampler::new(request.params.clone(), index),
                     adapter: adapter.clone(),
+                    text: TextStream::new(&request.params.stop),
                     finish: None,
                     guide: constraint.as_ref().map(CompiledConstraint::start),
                 };
@@ -641,32 +647,9 @@ impl Engine {
         let eos_stops = !params.ignore_eos || seq.guide.is_some();
         let is_stop_id = (eos_stops && self.eos_token_ids().contains(&id))
             || params.stop_token_ids.contains(&id);
-        let ids: Vec<u32> = seq.generated.iter().map(|t| t.id).collect();
-        let text_ids = if is_stop_id {
-            &ids[..ids.len() - 1]
-        } else {
-            &ids[..]
-        };
-        let mut finish = None;
-        if is_stop_id {
-            finish = Some(FinishReason::Stop);
-        }
-        let mut text = None;
-        if !params.stop.is_empty() || finish.is_some() {
-            let decoded = self.decode(text_ids, true).unwrap_or_default();
-            if let Some(cut) = params
-                .stop
-                .iter()
-                .filter(|s| !s.is_empty())
-                .filter_map(|s| decoded.find(s.as_str()))
-                .min()
-            {
-                finish = Some(FinishReason::Stop);
-                text = Some(decoded[..cut].to_string());
-            } else {
-                text = Some(decoded);
-            }
-        }
+        // A stop token is not text; any other token may complete a stop string.
+        let stopped = is_stop_id || seq.text.push(self.tokenizer(), id);
+        let mut finish = stopped.then_some(FinishReason::Stop);
         let context_full = seq.cache.len() + 1 >= self.config().max_position_embeddings;
         if finish.is_none() && (seq.generated.len() >= params.max_tokens || context_full) {
             // A grammar completed on the last allowed token is a stop, not a cut.
@@ -674,20 +657,19 @@ impl Engine {
             finish = Some(if complete {
                 FinishReason::Stop
             } else {
+                seq.text.flush(self.tokenizer());
                 FinishReason::Length
             });
         }
+        let text = seq.text.take_delta(finish.is_some());
         if let Some(reason) = finish {
-            let text = match text {
-                Some(t) => t,
-                None => self.decode(text_ids, true).unwrap_or_default(),
-            };
-            seq.finish = Some((reason, text));
+            seq.finish = Some((reason, seq.text.text().to_string()));
         }
         TokenEvent {
             request: seq.request,
             index: seq.index,
             token,
+            text,
             finished: finish,
         }
     }

@@ -1,84 +1,15 @@
 //! The training and control API under `/v1/art`: trainable models registered by clients
 //! (`TrainableModel::register`), each with its own directory under the server's art dir.
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-
-pub use crate::backend::{ModelInfo, RegisterRequest};
 use axum::extract::{Path, State};
 
 use crate::store::ModelStore;
 use crate::train::Trainer;
+use crate::types::{check_name, ModelInfo, RegisterRequest};
 
 use super::error::{ApiError, ApiJson};
+use super::registry::RegisteredModel;
 use super::state::AppState;
-
-/// The server's registry of trainable models, by name.
-#[derive(Default)]
-pub struct Registry {
-    pub models: BTreeMap<String, RegisteredModel>,
-}
-
-#[derive(Clone)]
-pub struct RegisteredModel {
-    pub info: ModelInfo,
-    pub dir: PathBuf,
-    /// The model's directory as ART lays it out: history.jsonl, trajectories, model.json.
-    pub store: ModelStore,
-    /// Held for a whole training step (or a checkpoint deletion): steps of one model queue here.
-    pub trainer: Arc<Mutex<Trainer>>,
-    /// The trainer's step, readable while a step is running.
-    pub step: Arc<AtomicU64>,
-}
-
-impl RegisteredModel {
-    /// Runs `work` with this model's trainer held (so that no step runs meanwhile), on a
-    /// blocking thread: it touches files and may wait for a running step. `what` names the work
-    /// in the error a crash of that thread becomes.
-    pub async fn with_trainer<T: Send + 'static>(
-        &self,
-        what: &str,
-        work: impl FnOnce(&mut Trainer, &RegisteredModel) -> Result<T, ApiError> + Send + 'static,
-    ) -> Result<T, ApiError> {
-        let model = self.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut trainer = model
-                .trainer
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            work(&mut trainer, &model)
-        })
-        .await
-        .map_err(|e| ApiError::internal(format!("{what} stopped: {e}")))?
-    }
-
-    pub fn info(&self) -> ModelInfo {
-        ModelInfo {
-            step: self.step.load(Ordering::SeqCst),
-            ..self.info.clone()
-        }
-    }
-}
-
-/// Names clients may use: letters, digits, `-`, `_`, `.` (they become directory names and model ids).
-fn check_name(what: &str, name: &str) -> Result<(), ApiError> {
-    let ok = !name.is_empty()
-        && name.len() <= 128
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        && !name.starts_with('.');
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::invalid_param(
-            what,
-            format!("`{name}` is not a valid {what}: use 1 to 128 letters, digits, '-', '_' or '.', not starting with '.'"),
-        ))
-    }
-}
 
 pub async fn register(
     State(state): State<AppState>,
@@ -148,13 +79,7 @@ pub(super) async fn register_model(
     }
     registry.models.insert(
         request.name.clone(),
-        RegisteredModel {
-            step: Arc::new(AtomicU64::new(info.step)),
-            info: info.clone(),
-            dir,
-            store,
-            trainer: Arc::new(Mutex::new(trainer)),
-        },
+        RegisteredModel::new(info.clone(), dir, store, trainer),
     );
     Ok(info)
 }

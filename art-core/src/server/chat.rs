@@ -20,8 +20,9 @@ use crate::engine::{
 };
 use crate::telemetry;
 use crate::types::{
-    ChatCompletion, ChatCompletionRequest, Choice, ChoiceLogprobs, ResponseFormat, TokenLogprob,
-    Tool, TopLogprob, Usage,
+    ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChoiceLogprobs,
+    ChunkChoice, ChunkDelta, Content, ResponseFormat, TokenLogprob, Tool, ToolCallDelta,
+    TopLogprob, Usage,
 };
 
 use super::batcher::BatchEvent;
@@ -38,7 +39,6 @@ struct Prepared {
     logprobs: bool,
     include_usage: bool,
     n: usize,
-    stop: Vec<String>,
     /// The prompt's tokens, when the request asked for them (`return_token_ids`).
     prompt_token_ids: Option<Vec<u32>>,
     /// Logprob tokens written as `token_id:<id>` (`return_tokens_as_token_ids`).
@@ -144,7 +144,6 @@ fn prepare(
             .and_then(Value::as_bool)
             .unwrap_or(false),
         n: params.n,
-        stop: params.stop.clone(),
         prompt_token_ids: (request.return_token_ids == Some(true)).then(|| prompt.clone()),
         tokens_as_ids: request.return_tokens_as_token_ids == Some(true),
     };
@@ -320,11 +319,6 @@ fn failure(message: String, invalid_request: bool) -> ApiError {
 }
 
 fn completion(state: &AppState, prepared: &Prepared, output: GenerationOutput) -> ChatCompletion {
-    let completion_tokens = output
-        .completions
-        .iter()
-        .map(|c| c.tokens.len() as u64)
-        .sum();
     let choices = output
         .completions
         .iter()
@@ -336,11 +330,7 @@ fn completion(state: &AppState, prepared: &Prepared, output: GenerationOutput) -
         created: prepared.created,
         model: prepared.model.clone(),
         choices,
-        usage: Some(Usage {
-            prompt_tokens: output.prompt_tokens as u64,
-            completion_tokens,
-            total_tokens: output.prompt_tokens as u64 + completion_tokens,
-        }),
+        usage: Some(usage(&output)),
         system_fingerprint: None,
         extra: prepared
             .prompt_token_ids
@@ -348,6 +338,12 @@ fn completion(state: &AppState, prepared: &Prepared, output: GenerationOutput) -
             .map(|ids| ("prompt_token_ids".to_string(), json!(ids)))
             .collect(),
     }
+}
+
+/// The token counts of an answer (the same whether streamed or not).
+fn usage(output: &GenerationOutput) -> Usage {
+    let completion_tokens = output.completions.iter().map(|c| c.tokens.len() as u64);
+    Usage::new(output.prompt_tokens as u64, completion_tokens.sum())
 }
 
 fn choice(state: &AppState, prepared: &Prepared, completion: &Completion) -> Choice {
@@ -416,7 +412,9 @@ fn token_logprob(state: &AppState, token: &SampledToken, as_ids: bool) -> TokenL
     }
 }
 
-/// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+/// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. The text comes as
+/// the scheduler releases it ([`TokenEvent::text`](crate::engine::TokenEvent)); the last chunk
+/// of each choice is built by [`choice`], as the non-streamed answer is.
 fn stream(
     state: AppState,
     prepared: Prepared,
@@ -425,20 +423,30 @@ fn stream(
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let (sender, mut receiver) = mpsc::channel::<Event>(64);
     tokio::spawn(async move {
-        let mut texts: Vec<StreamedText> = (0..prepared.n)
-            .map(|_| StreamedText::new(&prepared.stop))
-            .collect();
-        let chunk = |choices: Value| {
-            json!({"id": prepared.id, "object": "chat.completion.chunk", "created": prepared.created,
-                   "model": prepared.model, "choices": choices})
+        // What each choice has sent of its content so far.
+        let mut sent: Vec<String> = vec![String::new(); prepared.n];
+        let chunk = |choices: Vec<ChunkChoice>| ChatCompletionChunk {
+            id: prepared.id.clone(),
+            object: "chat.completion.chunk".into(),
+            created: prepared.created,
+            model: prepared.model.clone(),
+            choices,
+            usage: None,
+            prompt_token_ids: None,
         };
         for index in 0..prepared.n {
-            let mut first = chunk(
-                json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]),
-            );
+            let mut first = chunk(vec![ChunkChoice {
+                index: index as u32,
+                delta: ChunkDelta {
+                    role: Some("assistant".into()),
+                    content: Some(String::new()),
+                    tool_calls: None,
+                },
+                ..ChunkChoice::default()
+            }]);
             // vLLM sends the prompt's tokens with the first chunk.
-            if let Some(ids) = prepared.prompt_token_ids.as_ref().filter(|_| index == 0) {
-                first["prompt_token_ids"] = json!(ids);
+            if index == 0 {
+                first.prompt_token_ids = prepared.prompt_token_ids.clone();
             }
             if sender.send(data(&first)).await.is_err() {
                 return;
@@ -451,19 +459,29 @@ fn stream(
                     let delta = if prepared.tool_format.is_some() {
                         String::new()
                     } else {
-                        texts[token.index].push(&state, token.token.id)
+                        token.text
                     };
-                    let logprobs = if prepared.logprobs {
-                        json!({"content": [token_logprob(&state, &token.token, prepared.tokens_as_ids)]})
-                    } else {
-                        Value::Null
-                    };
-                    if delta.is_empty() && logprobs.is_null() {
+                    let logprobs = prepared.logprobs.then(|| ChoiceLogprobs {
+                        content: Some(vec![token_logprob(
+                            &state,
+                            &token.token,
+                            prepared.tokens_as_ids,
+                        )]),
+                        refusal: None,
+                    });
+                    if delta.is_empty() && logprobs.is_none() {
                         continue;
                     }
-                    let body = chunk(
-                        json!([{"index": token.index, "delta": {"content": delta}, "logprobs": logprobs, "finish_reason": null}]),
-                    );
+                    sent[token.index].push_str(&delta);
+                    let body = chunk(vec![ChunkChoice {
+                        index: token.index as u32,
+                        delta: ChunkDelta {
+                            content: Some(delta),
+                            ..ChunkDelta::default()
+                        },
+                        logprobs,
+                        ..ChunkChoice::default()
+                    }]);
                     if sender.send(data(&body)).await.is_err() {
                         return;
                     }
@@ -473,46 +491,47 @@ fn stream(
                         streamed_attributes(&prepared, output)
                     });
                     for completion in &output.completions {
-                        let parsed = parse_message(prepared.tool_format, &completion.text);
-                        let mut delta = serde_json::Map::new();
-                        let sent = &texts[completion.index].sent;
-                        let rest = parsed
+                        let whole = choice(&state, &prepared, completion);
+                        // Only what the token chunks have not sent yet (a tool call's text, all of it).
+                        let rest = whole
+                            .message
                             .content
-                            .as_deref()
-                            .unwrap_or("")
-                            .strip_prefix(sent.as_str())
-                            .unwrap_or("");
-                        if !rest.is_empty() {
-                            delta.insert("content".into(), json!(rest));
-                        }
-                        if !parsed.tool_calls.is_empty() {
-                            let calls: Vec<Value> = parsed
+                            .as_ref()
+                            .map(Content::text)
+                            .unwrap_or_default()
+                            .strip_prefix(sent[completion.index].as_str())
+                            .unwrap_or_default()
+                            .to_string();
+                        let tool_calls = (!whole.message.tool_calls.is_empty()).then(|| {
+                            whole
+                                .message
                                 .tool_calls
                                 .iter()
                                 .enumerate()
-                                .map(|(i, call)| json!({"index": i, "id": call.id, "type": "function", "function": call.function}))
-                                .collect();
-                            delta.insert("tool_calls".into(), json!(calls));
-                        }
-                        let finish = if parsed.tool_calls.is_empty() {
-                            completion.finish_reason.as_str()
-                        } else {
-                            "tool_calls"
-                        };
-                        let body = chunk(
-                            json!([{"index": completion.index, "delta": delta, "finish_reason": finish,
-                                                  "token_ids": completion.token_ids()}]),
-                        );
+                                .map(|(i, call)| ToolCallDelta {
+                                    index: i as u32,
+                                    call: call.clone(),
+                                })
+                                .collect()
+                        });
+                        let body = chunk(vec![ChunkChoice {
+                            index: whole.index,
+                            delta: ChunkDelta {
+                                role: None,
+                                content: (!rest.is_empty()).then_some(rest),
+                                tool_calls,
+                            },
+                            logprobs: None,
+                            finish_reason: whole.finish_reason,
+                            token_ids: whole.token_ids,
+                        }]);
                         if sender.send(data(&body)).await.is_err() {
                             return;
                         }
                     }
                     if prepared.include_usage {
-                        let completion_tokens: usize =
-                            output.completions.iter().map(|c| c.tokens.len()).sum();
-                        let mut body = chunk(json!([]));
-                        body["usage"] = json!({"prompt_tokens": output.prompt_tokens, "completion_tokens": completion_tokens,
-                                               "total_tokens": output.prompt_tokens + completion_tokens});
+                        let mut body = chunk(Vec::new());
+                        body.usage = Some(usage(&output));
                         let _ = sender.send(data(&body)).await;
                     }
                     let _ = sender.send(Event::default().data("[DONE]")).await;
@@ -524,7 +543,7 @@ fn stream(
                 } => {
                     let error = failure(message, invalid_request);
                     telemetry::end(&span, Some(&error));
-                    let _ = sender.send(data(&error.body())).await;
+                    let _ = sender.send(error_data(&error.body())).await;
                     return;
                 }
             }
@@ -567,61 +586,10 @@ fn streamed_attributes(prepared: &Prepared, output: &GenerationOutput) -> Vec<Ke
     ]
 }
 
-fn data(body: &Value) -> Event {
+fn data(chunk: &ChatCompletionChunk) -> Event {
+    Event::default().data(serde_json::to_string(chunk).expect("a chunk serializes"))
+}
+
+fn error_data(body: &Value) -> Event {
     Event::default().data(body.to_string())
-}
-
-/// The text of one streamed completion, released only when it can no longer change: an incomplete
-/// UTF-8 character (decoded as U+FFFD) waits for its next byte, and text that may be the start of a
-/// stop string waits until it is known not to be one (a matched stop string is never sent).
-struct StreamedText {
-    ids: Vec<u32>,
-    sent: String,
-    stop: Vec<String>,
-}
-
-impl StreamedText {
-    fn new(stop: &[String]) -> Self {
-        StreamedText {
-            ids: Vec::new(),
-            sent: String::new(),
-            stop: stop.to_vec(),
-        }
-    }
-
-    fn push(&mut self, state: &AppState, id: u32) -> String {
-        self.ids.push(id);
-        let text = state.engine.decode(&self.ids, true).unwrap_or_default();
-        let mut stable = text.trim_end_matches('\u{FFFD}');
-        if let Some(cut) = self
-            .stop
-            .iter()
-            .filter_map(|s| stable.find(s.as_str()))
-            .min()
-        {
-            stable = &stable[..cut];
-        } else {
-            let held = self
-                .stop
-                .iter()
-                .flat_map(|s| {
-                    (1..s.len())
-                        .filter(|&k| s.is_char_boundary(k))
-                        .map(move |k| &s[..k])
-                })
-                .filter(|prefix| stable.ends_with(prefix))
-                .map(str::len)
-                .max()
-                .unwrap_or(0);
-            stable = &stable[..stable.len() - held];
-        }
-        match stable.strip_prefix(self.sent.as_str()) {
-            Some(new) if !new.is_empty() => {
-                let new = new.to_string();
-                self.sent.push_str(&new);
-                new
-            }
-            _ => String::new(),
-        }
-    }
 }

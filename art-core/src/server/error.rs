@@ -8,6 +8,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+use crate::types::InvalidName;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -15,6 +17,13 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+}
+
+/// A bad name is the client's mistake, about the field it came in.
+impl From<InvalidName> for ApiError {
+    fn from(invalid: InvalidName) -> Self {
+        ApiError::invalid_param(invalid.what, invalid.to_string())
+    }
 }
 
 impl ApiError {

@@ -11,7 +11,7 @@ use opentelemetry::KeyValue;
 
 use crate::store::{LoggedMetrics, StoreError};
 use crate::telemetry;
-use crate::types::{HistoryList, LogRequest, TrajectoryGroupList};
+use crate::types::{check_name, HistoryList, LogRequest, TrajectoryGroupList};
 
 use super::error::{ApiError, ApiJson};
 use super::state::AppState;
@@ -19,7 +19,7 @@ use super::state::AppState;
 /// A store error as an HTTP answer: bad names are the client's, the rest the server's.
 pub fn store_error(e: StoreError) -> ApiError {
     match &e {
-        StoreError::InvalidName { what, .. } => ApiError::invalid_param(what, e.to_string()),
+        StoreError::InvalidName(invalid) => invalid.clone().into(),
         StoreError::MetricNotFound { .. } => ApiError::invalid_param("best_metric", e.to_string()),
         _ => ApiError::internal(e.to_string()),
     }
@@ -34,7 +34,7 @@ pub async fn log(
 ) -> Result<ApiJson<LoggedMetrics>, ApiError> {
     let model = state.registered_or_404(&name)?;
     let split = request.split.to_string();
-    check_split(&split)?;
+    check_name("split", &split)?;
     let step = model.step.load(Ordering::SeqCst);
     let span = telemetry::start(
         "model.log",
@@ -80,7 +80,7 @@ pub async fn trajectories(
     Path((name, split, step)): Path<(String, String, u64)>,
 ) -> Result<ApiJson<TrajectoryGroupList>, ApiError> {
     let model = state.registered_or_404(&name)?;
-    check_split(&split)?;
+    check_name("split", &split)?;
     if !model.store.trajectories_path(&split, step).is_file() {
         return Err(ApiError::not_found(format!(
             "nothing was logged for `{name}` as `{split}` at step {step} (logged steps: {:?})",
@@ -93,21 +93,4 @@ pub async fn trajectories(
             .map_err(|e| ApiError::internal(format!("reading trajectories stopped: {e}")))?
             .map_err(store_error)?;
     Ok(ApiJson(TrajectoryGroupList { data }))
-}
-
-/// Splits become directory names: the same rule as model names.
-fn check_split(split: &str) -> Result<(), ApiError> {
-    let ok = !split.is_empty()
-        && split.len() <= 64
-        && split
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_".contains(c));
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::invalid_param(
-            "split",
-            format!("`{split}` is not a valid split: use 1 to 64 letters, digits, '-' or '_'"),
-        ))
-    }
 }

@@ -8,6 +8,7 @@ mod error;
 mod jobs;
 mod logging;
 mod preview;
+mod registry;
 mod state;
 mod training;
 
@@ -28,7 +29,7 @@ use subtle::ConstantTimeEq;
 
 use crate::engine::{Engine, LoadOptions, ModelSource};
 
-pub use art::{ModelInfo, RegisterRequest};
+pub use crate::types::{ModelInfo, RegisterRequest};
 pub use batcher::{BatchEvent, Batcher};
 pub use error::ApiError;
 pub use state::{AppState, Shared};

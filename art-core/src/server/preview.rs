@@ -8,8 +8,8 @@ use axum::http::StatusCode;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::backend::RegisterRequest;
 use crate::train::{checkpoint_metrics, list_checkpoints, TrainError, Trainer};
+use crate::types::RegisterRequest;
 use crate::types::{
     CursorPage, DeleteStepsRequest, DeleteStepsResponse, ExperimentalConfig, JobEventKind,
     LogRequest, Message, PreviewCheckpoint, PreviewModel, PreviewModelRequest, SftEvent,
@@ -17,9 +17,10 @@ use crate::types::{
     TrainingJobRequest, Trajectory,
 };
 
-use super::art::{register_model, RegisteredModel};
+use super::art::register_model;
 use super::error::{ApiError, ApiJson};
 use super::jobs::{object, Job};
+use super::registry::RegisteredModel;
 use super::state::AppState;
 use super::training::{check_sft_request, run_sft, run_step, sft_span, step_span, train_error};
 

@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex};
 use crate::engine::chat_template::ChatTemplate;
 use crate::engine::Engine;
 
-use super::art::{RegisteredModel, Registry};
 use super::batcher::Batcher;
 use super::error::ApiError;
 use super::jobs::Jobs;
+use super::registry::{RegisteredModel, Registry};
 
 /// How ART's ServerlessBackend names trained models for inference.
 const ARTIFACT_SCHEME: &str = "wandb-artifact:///";

@@ -21,9 +21,9 @@ use crate::types::{
     TrainProgress, TrainRequest, Trajectory, TrajectoryGroup,
 };
 
-use super::art::RegisteredModel;
 use super::error::{ApiError, ApiJson};
 use super::logging::store_error;
+use super::registry::RegisteredModel;
 use super::state::AppState;
 
 pub async fn train(

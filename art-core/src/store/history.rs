@@ -5,38 +5,11 @@
 use std::collections::BTreeMap;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-/// The metrics of one split at one step. On the wire (`GET /v1/art/models/{name}/history`) it is
-/// this struct as JSON; in history.jsonl it is ART's flat line (see [`HistoryEntry::to_json_line`]).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct HistoryEntry {
-    pub step: u64,
-    /// "train", "val", ... (empty for un-namespaced keys of a line without a `"split"` field).
-    pub split: String,
-    /// Metric name (without the split prefix) -> value. Only finite values: the store leaves
-    /// NaN and infinities out (JSON has no such numbers).
-    pub metrics: BTreeMap<String, f64>,
-    /// RFC 3339 UTC time the entry was written, when known.
-    #[serde(default)]
-    pub recorded_at: Option<String>,
-}
+use crate::types::HistoryEntry;
 
 impl HistoryEntry {
-    pub fn new(step: u64, split: impl Into<String>) -> Self {
-        HistoryEntry {
-            step,
-            split: split.into(),
-            metrics: BTreeMap::new(),
-            recorded_at: None,
-        }
-    }
-
-    pub fn get(&self, metric: &str) -> Option<f64> {
-        self.metrics.get(metric).copied()
-    }
-
     /// The JSON line for history.jsonl (no trailing newline). Non-finite values become `null`
     /// (JSON has no NaN), as Python's json would not but pandas/polars readers expect.
     pub fn to_json_line(&self) -> String {

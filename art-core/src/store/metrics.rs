@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::types::TrajectoryGroup;
+use crate::types::{mean_std, TrajectoryGroup};
 
 /// Mean reward over all trajectories (ART: `reward`).
 pub const REWARD: &str = "reward";
@@ -98,15 +98,4 @@ pub fn batch_metrics(groups: &[TrajectoryGroup]) -> BTreeMap<String, f64> {
         }
     }
     out
-}
-
-/// Mean and population standard deviation; `None` for no values.
-pub(crate) fn mean_std(values: &[f64]) -> Option<(f64, f64)> {
-    if values.is_empty() {
-        return None;
-    }
-    let n = values.len() as f64;
-    let mean = values.iter().sum::<f64>() / n;
-    let var = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
-    Some((mean, var.sqrt()))
 }

@@ -21,7 +21,6 @@
 //! The directory, model.json, history.jsonl and checkpoints need no extra dependency; writing and
 //! reading the trajectories parquet needs the `frames` feature (polars), which `server` enables.
 
-pub(crate) mod atomic;
 pub(crate) mod history;
 pub mod metrics;
 pub mod tensorboard;
@@ -36,10 +35,10 @@ use serde_json::{json, Value};
 
 #[cfg(feature = "frames")]
 use crate::frames::{self, DataFrame, FrameError};
+use crate::fsutil::{remove_stale_temps, write_atomic_with, FaultInjector, TEMP_PREFIX};
 #[cfg(feature = "frames")]
-use crate::types::TrajectoryGroup;
-use atomic::{remove_stale_temps, write_atomic, FaultInjector, TEMP_PREFIX};
-pub use history::HistoryEntry;
+use crate::types::{check_name, InvalidName, TrajectoryGroup};
+pub use crate::types::{HistoryEntry, LoggedMetrics, MetricGoal};
 pub use metrics::batch_metrics;
 
 /// The directory ART uses when none is given (relative to the working directory).
@@ -59,11 +58,8 @@ static HISTORY_LOCK: Mutex<()> = Mutex::new(());
 /// What went wrong with a model's directory.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error(
-        "{what} {value:?} cannot be a directory name: use a non-empty name without '/', '\\\\' \
-         or a leading '.'"
-    )]
-    InvalidName { what: &'static str, value: String },
+    #[error(transparent)]
+    InvalidName(#[from] InvalidName),
     #[error("could not {action} {path}: {source}")]
     Io {
         action: &'static str,
@@ -99,33 +95,6 @@ fn io_error<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) 
     }
 }
 
-/// Which way is better for the metric that picks the best checkpoint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MetricGoal {
-    /// Higher is better (rewards, accuracy).
-    #[default]
-    Maximize,
-    /// Lower is better (losses, error rates).
-    Minimize,
-}
-
-/// What [`ModelStore::log`] (and `TrainableModel::log`, through the backend) recorded.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct LoggedMetrics {
-    /// The line appended to history.jsonl.
-    pub entry: HistoryEntry,
-    /// The parquet file the trajectories went to (on the backend's machine when logged through
-    /// one).
-    pub trajectories_path: PathBuf,
-}
-
-impl LoggedMetrics {
-    pub fn get(&self, metric: &str) -> Option<f64> {
-        self.entry.get(metric)
-    }
-}
-
 /// A model's directory under an ART directory.
 #[derive(Debug, Clone)]
 pub struct ModelStore {
@@ -135,25 +104,11 @@ pub struct ModelStore {
     faults: FaultInjector,
 }
 
-fn check_name(what: &'static str, value: &str) -> Result<(), StoreError> {
-    let bad = value.is_empty()
-        || value.starts_with('.')
-        || value.contains(['/', '\\'])
-        || value.contains('\0');
-    if bad {
-        return Err(StoreError::InvalidName {
-            what,
-            value: value.to_string(),
-        });
-    }
-    Ok(())
-}
-
 impl ModelStore {
     /// Opens (creating as needed) `<art_dir>/<project>/models/<name>/` and its model.json.
     pub fn open(art_dir: impl AsRef<Path>, project: &str, name: &str) -> Result<Self, StoreError> {
         check_name("project", project)?;
-        check_name("model name", name)?;
+        check_name("name", name)?;
         let dir = art_dir.as_ref().join(project).join("models").join(name);
         fs::create_dir_all(&dir).map_err(io_error("create", &dir))?;
         let store = ModelStore {
@@ -243,7 +198,7 @@ impl ModelStore {
         object.insert("project".into(), Value::from(self.project.clone()));
         let path = self.model_json_path();
         let text = serde_json::to_string_pretty(&Value::Object(object)).expect("JSON value");
-        write_atomic(&path, text.as_bytes(), &self.faults).map_err(io_error("write", &path))
+        write_atomic_with(&path, text.as_bytes(), &self.faults).map_err(io_error("write", &path))
     }
 
     /// Records a batch of groups as `split` at `step`: writes its trajectories parquet, then
@@ -261,7 +216,7 @@ impl ModelStore {
         let dir = path.parent().expect("a split directory");
         fs::create_dir_all(dir).map_err(io_error("create", dir))?;
         let bytes = frames::trajectories_parquet(groups)?;
-        write_atomic(&path, &bytes, &self.faults).map_err(io_error("write", &path))?;
+        write_atomic_with(&path, &bytes, &self.faults).map_err(io_error("write", &path))?;
         let entry = self.append_history(step, split, batch_metrics(groups))?;
         Ok(LoggedMetrics {
             entry,
@@ -311,7 +266,8 @@ impl ModelStore {
         }
         text.push_str(&entry.to_json_line());
         text.push('\n');
-        write_atomic(&path, text.as_bytes(), &self.faults).map_err(io_error("write", &path))?;
+        write_atomic_with(&path, text.as_bytes(), &self.faults)
+            .map_err(io_error("write", &path))?;
         if tensorboard::enabled() {
             // The curves are a view of the history: a failure to write them is reported (once
             // per process) and never fails the history append or the step that called it.

@@ -22,7 +22,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::history::{self, HistoryEntry};
+use super::history;
+use crate::types::HistoryEntry;
 
 /// The directory under a model's directory that holds its event file.
 pub const TENSORBOARD_DIR: &str = "tensorboard";
@@ -207,7 +208,7 @@ pub(crate) fn sync(model_dir: &Path, history: &[HistoryEntry]) -> io::Result<()>
         for entry in history {
             fresh.extend(encode(&entry_event(entry)));
         }
-        return super::atomic::write_atomic(&path, &fresh, &Default::default());
+        return crate::fsutil::write_atomic(&path, &fresh);
     }
     let mut out = Vec::new();
     if records == 0 {

@@ -12,6 +12,7 @@ pub use crate::types::{StepMetrics, StepResult, TrainProgress};
 
 use crate::engine::chat_template::ChatTemplate;
 use crate::engine::{Engine, LoraAdapter};
+use crate::fsutil;
 use crate::types::{
     LoraConfig, LossFn, SftBatchMetrics, SftConfig, SftEvent, SftResult, TrainConfig, Trajectory,
     TrajectoryGroup,
@@ -92,6 +93,9 @@ impl Trainer {
     ) -> Result<Self> {
         let template = chat_template_for(&engine)?;
         let device = engine.device().clone();
+        // A checkpoint half-written when the process died is a temp directory: remove it.
+        let checkpoints = model_dir.join("checkpoints");
+        fsutil::remove_stale_temps(&checkpoints).map_err(|e| TrainError::io(&checkpoints, e))?;
         let latest = list_checkpoints(&model_dir).last().copied();
         let (adapter, step, dir) = match latest {
             Some(step) => {
@@ -241,16 +245,14 @@ impl Trainer {
         Ok(())
     }
 
-    /// Writes the current state as the checkpoint of `self.step`, atomically: everything goes
-    /// into a temporary directory that is renamed into place.
+    /// Writes the current state as the checkpoint of `self.step`, atomically and durably:
+    /// everything goes into a temporary directory that is synced and renamed into place
+    /// ([`fsutil::publish_dir`]); one left by a crash is removed when the trainer next starts.
     fn save_checkpoint(&self, metrics: &StepMetrics) -> Result<PathBuf> {
         let final_dir = checkpoint_dir(&self.model_dir, self.step);
         let parent = final_dir.parent().expect("checkpoint dir has a parent");
         std::fs::create_dir_all(parent).map_err(|e| TrainError::io(parent, e))?;
-        let tmp = parent.join(format!(".tmp-{:04}-{}", self.step, std::process::id()));
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).map_err(|e| TrainError::io(&tmp, e))?;
-        }
+        let tmp = fsutil::temp_path_for(&final_dir);
         self.adapter.save_peft(&tmp, Some(self.engine.name()))?;
         self.optimizer.save(&tmp)?;
         let state = TrainerState {
@@ -265,10 +267,7 @@ impl Trainer {
             serde_json::to_string_pretty(&state).expect("state serializes"),
         )
         .map_err(|e| TrainError::io(&path, e))?;
-        if final_dir.exists() {
-            std::fs::remove_dir_all(&final_dir).map_err(|e| TrainError::io(&final_dir, e))?;
-        }
-        std::fs::rename(&tmp, &final_dir).map_err(|e| TrainError::io(&final_dir, e))?;
+        fsutil::publish_dir(&tmp, &final_dir).map_err(|e| TrainError::io(&final_dir, e))?;
         Ok(final_dir)
     }
 

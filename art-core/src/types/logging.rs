@@ -3,11 +3,12 @@
 //! back. Engine-free, like the rest of `types`.
 
 use std::fmt;
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::HistoryEntry;
 use super::TrajectoryGroup;
-use crate::store::HistoryEntry;
 
 /// Which set of rollouts a batch is: `train` (what the model trains on), `val` (held-out
 /// evaluation, what the best checkpoint is usually chosen by), or any other name.
@@ -62,7 +63,7 @@ impl From<Split> for String {
 }
 
 /// `POST /v1/art/models/{name}/log`: record these groups as `split` at the model's current step.
-/// The answer is the [`crate::store::LoggedMetrics`] the backend appended to history.jsonl.
+/// The answer is the [`LoggedMetrics`] the backend appended to history.jsonl.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LogRequest {
     pub trajectory_groups: Vec<TrajectoryGroup>,
@@ -99,5 +100,21 @@ mod tests {
         );
         assert_eq!(Split::from("val"), Split::Val);
         assert_eq!(Split::Other("eval".into()).to_string(), "eval");
+    }
+}
+
+/// What `ModelStore::log` (and `TrainableModel::log`, through the backend) recorded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoggedMetrics {
+    /// The line appended to history.jsonl.
+    pub entry: HistoryEntry,
+    /// The parquet file the trajectories went to (on the backend's machine when logged through
+    /// one).
+    pub trajectories_path: PathBuf,
+}
+
+impl LoggedMetrics {
+    pub fn get(&self, metric: &str) -> Option<f64> {
+        self.entry.get(metric)
     }
 }

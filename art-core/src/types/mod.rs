@@ -2,8 +2,10 @@
 
 mod choice;
 mod config;
+mod history;
 mod logging;
 mod message;
+mod names;
 mod openai;
 mod serverless;
 mod training;
@@ -14,13 +16,17 @@ pub use config::{
     AssistantTurns, ImportanceSamplingLevel, InvalidConfig, KlPenaltySource, LearningRate,
     LoraConfig, LossFn, SftConfig, TrainConfig,
 };
-pub use logging::{HistoryList, LogRequest, Split, TrajectoryGroupList};
+pub(crate) use history::mean_std;
+pub use history::{HistoryEntry, MetricGoal};
+pub use logging::{HistoryList, LogRequest, LoggedMetrics, Split, TrajectoryGroupList};
 pub use message::{
     AssistantMessage, Content, ContentPart, FunctionCall, FunctionDefinition, ImageUrl, Message,
     SystemMessage, Tool, ToolCall, ToolMessage, UserMessage,
 };
+pub use names::{check_name, InvalidName, MAX_NAME_LEN};
 pub use openai::{
-    ChatCompletion, ChatCompletionRequest, JsonSchemaFormat, ResponseFormat, Stop, Usage,
+    ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, ChunkDelta,
+    JsonSchemaFormat, ResponseFormat, Stop, ToolCallDelta, Usage,
 };
 pub use serverless::{
     CursorPage, DeleteStepsRequest, DeleteStepsResponse, ExperimentalConfig, JobEventKind,
@@ -28,9 +34,9 @@ pub use serverless::{
     TrainingJob, TrainingJobEvent, TrainingJobRequest, UnsupportedSetting,
 };
 pub use training::{
-    CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse,
-    SftBatchMetrics, SftEvent, SftRequest, SftResult, StepMetrics, StepResult, TrainEvent,
-    TrainProgress, TrainRequest,
+    CheckpointInfo, CheckpointList, DeleteCheckpointsRequest, DeleteCheckpointsResponse, ModelInfo,
+    RegisterRequest, SftBatchMetrics, SftEvent, SftRequest, SftResult, StepMetrics, StepResult,
+    TrainEvent, TrainProgress, TrainRequest,
 };
 pub use trajectory::{
     ChatCompletionsExchange, History, MessageOrChoice, MetadataValue, MetricValue,

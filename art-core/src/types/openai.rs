@@ -3,8 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::choice::Choice;
-use super::message::{Message, Tool};
+use super::choice::{Choice, ChoiceLogprobs};
+use super::message::{Message, Tool, ToolCall};
 
 /// `POST /v1/chat/completions` body. Unknown fields are kept in `extra` (and ignored by our server).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -119,6 +119,73 @@ pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub total_tokens: u64,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: u64, completion_tokens: u64) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// One event of a streamed chat completion (`stream: true`), OpenAI's `chat.completion.chunk`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    #[serde(default = "chat_completion_chunk_object")]
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChunkChoice>,
+    /// On the last chunk only (its `choices` empty), when the request's `stream_options` asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// The prompt's token ids, on the first chunk when asked for (vLLM's extension).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+}
+
+/// What one chunk adds to one choice.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChunkChoice {
+    pub index: u32,
+    pub delta: ChunkDelta,
+    /// `null` unless logprobs were asked for.
+    #[serde(default)]
+    pub logprobs: Option<ChoiceLogprobs>,
+    /// `null` until the choice's last chunk.
+    #[serde(default)]
+    pub finish_reason: Option<String>,
+    /// All the choice's sampled token ids, on its last chunk (as in [`Choice::token_ids`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// New message content: the role on a choice's first chunk, then text, then (for a reply that
+/// is a tool call) the calls, whole, on the last chunk.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChunkDelta {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+/// A tool call in a chunk: OpenAI's streamed form, with the call's position in the message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(flatten)]
+    pub call: ToolCall,
+}
+
+fn chat_completion_chunk_object() -> String {
+    "chat.completion.chunk".to_string()
 }
 
 fn chat_completion_object() -> String {

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::{SftConfig, TrainConfig, Trajectory, TrajectoryGroup};
-use crate::store::MetricGoal;
+use super::MetricGoal;
+use super::{LoraConfig, SftConfig, TrainConfig, Trajectory, TrajectoryGroup};
 
 /// Progress of a step, reported after each micro-batch (for streaming as NDJSON).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -228,4 +228,27 @@ pub struct DeleteCheckpointsResponse {
     /// The step kept as the best by `best_metric` (none asked, or no checkpointed step has it).
     #[serde(default)]
     pub best_step: Option<u64>,
+}
+
+/// `POST /v1/art/models`: what a client registers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RegisterRequest {
+    pub name: String,
+    pub project: String,
+    /// The base model the client expects; must be the one the server serves (or left out).
+    #[serde(default)]
+    pub base_model: Option<String>,
+    #[serde(default)]
+    pub lora: LoraConfig,
+}
+
+/// The server's view of a registered model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelInfo {
+    pub name: String,
+    pub project: String,
+    pub base_model: String,
+    /// Optimizer steps taken so far (0 = untrained: requests get the base model).
+    pub step: u64,
+    pub lora: LoraConfig,
 }
