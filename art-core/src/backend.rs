@@ -8,6 +8,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use backon::Retryable;
 use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 use serde::de::DeserializeOwned;
@@ -663,6 +664,12 @@ struct TrainRequestRef<'a> {
     config: &'a TrainConfig,
 }
 
+/// One failed request, and whether sending it again is safe and may succeed.
+struct FailedAttempt {
+    error: BackendError,
+    retry: bool,
+}
+
 /// JSON over HTTP to the backend, with its error JSON turned into [`BackendError`].
 #[derive(Clone)]
 struct Http {
@@ -721,6 +728,10 @@ impl Http {
     }
 
     /// Sends a request; a non-2xx answer becomes [`BackendError::Api`] with the server's message.
+    /// What cannot have done anything on the server is retried with backoff and jitter
+    /// ([`crate::client::backoff`]): a connection that could not be made, and a 429 or 503
+    /// (the server refused before starting); a GET also after a connection lost mid-answer or a
+    /// proxy's 502/504. A POST that may have reached the server (a training step) is not sent twice.
     async fn send_checked(
         &self,
         mut request: reqwest::RequestBuilder,
@@ -731,27 +742,54 @@ impl Http {
         let mut trace = reqwest::header::HeaderMap::new();
         crate::client::add_trace_headers(&mut trace);
         request = request.headers(trace);
-        let url = self.base_url.clone();
-        let response = request
-            .send()
+        let attempt = || async {
+            let request = request.try_clone().expect("request bodies are bytes");
+            self.send_once(request).await
+        };
+        attempt
+            .retry(crate::client::backoff(3))
+            .when(|failed: &FailedAttempt| failed.retry)
             .await
-            .map_err(|e| BackendError::Unreachable {
+            .map_err(|failed| failed.error)
+    }
+
+    async fn send_once(
+        &self,
+        request: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, FailedAttempt> {
+        let url = self.base_url.clone();
+        let is_get = request
+            .try_clone()
+            .and_then(|r| r.build().ok())
+            .is_some_and(|r| r.method() == reqwest::Method::GET);
+        let response = request.send().await.map_err(|e| FailedAttempt {
+            retry: e.is_connect() || is_get,
+            error: BackendError::Unreachable {
                 url: url.clone(),
                 message: e.to_string(),
-            })?;
+            },
+        })?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);
         }
+        let retry = match status.as_u16() {
+            429 | 503 => true,
+            502 | 504 => is_get,
+            _ => false,
+        };
         let bytes = response.bytes().await.unwrap_or_default();
         let message = serde_json::from_slice::<serde_json::Value>(&bytes)
             .ok()
             .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
             .unwrap_or_else(|| String::from_utf8_lossy(&bytes).into_owned());
-        Err(BackendError::Api {
-            url,
-            status: status.as_u16(),
-            message,
+        Err(FailedAttempt {
+            retry,
+            error: BackendError::Api {
+                url,
+                status: status.as_u16(),
+                message,
+            },
         })
     }
 

@@ -6,6 +6,7 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 
+use backon::Retryable;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -57,9 +58,10 @@ impl TrajectoryGroup {
 
 impl TrajectoryGroup {
     /// A group of `count` rollouts that survive transient failures: rollout `i` is
-    /// `make(i)`, built again and retried (up to `retries` more times, after 0.25 s, 0.5 s,
-    /// 1 s, ...) when it fails with an error [`is_transient`] accepts, so that a dropped
-    /// connection or an overloaded server (429, 503) costs an attempt, not the trajectory.
+    /// `make(i)`, built again and retried (up to `retries` more times, after about 0.25 s,
+    /// 0.5 s, 1 s, ... with jitter) when it fails with an error [`is_transient`] accepts, so that
+    /// a dropped connection or an overloaded server (429, 503) costs an attempt, not the
+    /// trajectory.
     pub fn from_retried_rollouts<'a, M, F, E>(
         count: usize,
         retries: usize,
@@ -74,17 +76,11 @@ impl TrajectoryGroup {
         TrajectoryGroup::from_rollouts((0..count).map(|i| {
             let make = make.clone();
             async move {
-                let mut attempt = 0;
-                loop {
-                    match make(i).await.map_err(Into::into) {
-                        Err(error) if attempt < retries && is_transient(&error) => {
-                            let wait = std::time::Duration::from_millis(250 << attempt.min(6));
-                            tokio::time::sleep(wait).await;
-                            attempt += 1;
-                        }
-                        outcome => return outcome,
-                    }
-                }
+                let attempt = || async { make(i).await.map_err(Into::into) };
+                attempt
+                    .retry(crate::client::backoff(retries))
+                    .when(is_transient)
+                    .await
             }
         }))
     }

@@ -390,6 +390,15 @@ async fn a_full_queue_answers_429_and_loses_nothing() {
         assert_eq!(status, 429, "{body}");
         assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
     }
+    // A refusal says when to come back (clients such as the openai SDK honour it).
+    let refused = client
+        .post(format!("{}/chat/completions", server.base_url))
+        .json(&chat(json!({"max_tokens": 4})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 429);
+    assert_eq!(refused.headers()["retry-after"], "1");
     // The long completions are still streaming; hanging up cancels them, which frees the batch
     // for the two that waited: nothing queued is lost.
     for mut response in long_streams {

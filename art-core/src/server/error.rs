@@ -139,7 +139,16 @@ impl std::fmt::Display for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut response = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            // A full queue drains in about a second; clients that honour the header (the
+            // openai SDKs, async-openai) wait that long instead of guessing.
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static("1"),
+            );
+        }
+        response
     }
 }
 
