@@ -93,7 +93,9 @@ fn device(name: &str) -> anyhow::Result<art_core::engine::Device> {
 fn exit_when_stdin_closes() {
     std::thread::spawn(|| {
         let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
-        eprintln!("art serve: standard input closed (the program that started this server ended); exiting");
+        tracing::info!(
+            "standard input closed (the program that started this server ended); exiting"
+        );
         art_core::telemetry::shutdown();
         std::process::exit(0);
     });
@@ -101,6 +103,15 @@ fn exit_when_stdin_closes() {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // Logs go to stderr, `info` and above unless RUST_LOG says otherwise (standard output has
+    // the one machine-read line: the address the server listens on).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
     // SAFETY: no other thread exists yet (the runtime starts below).
     unsafe { art_core::engine::process::set_cpu_thread_defaults() };
     tokio::runtime::Builder::new_multi_thread()
@@ -120,7 +131,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
             let changed = art_core::engine::switches::changed();
             if !changed.is_empty() {
-                eprintln!("art serve: engine switches changed: {}", changed.join(" "));
+                tracing::info!(switches = %changed.join(" "), "engine switches changed");
             }
             let load = art_core::engine::LoadOptions {
                 device: device(&args.device)?,

@@ -113,7 +113,7 @@ impl ApiError {
             "err-{}",
             crate::engine::tool_calls::new_tool_call_id().trim_start_matches("call_")
         );
-        eprintln!("art serve: internal error {id}: {}", detail.into());
+        tracing::error!(id = %id, detail = %detail.into(), "internal error");
         ApiError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             message: format!(

@@ -51,7 +51,7 @@ impl Job {
             line.push(b'\n');
             // A job whose events cannot be recorded still runs; its client polls memory.
             if let Err(e) = file.write_all(&line).and_then(|()| file.sync_data()) {
-                eprintln!("art serve: cannot record a training job event: {e}");
+                tracing::warn!(error = %e, "cannot record a training job event");
             }
         }
         events.push(event);

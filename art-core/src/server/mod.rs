@@ -26,6 +26,7 @@ use axum::{Json, Router};
 use opentelemetry::trace::FutureExt as _;
 use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
+use tracing::Instrument as _;
 
 use crate::engine::{Engine, LoadOptions, ModelSource};
 
@@ -105,9 +106,9 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
                 options.model
             );
         }
-        eprintln!(
-            "art serve: sampling with the quantized weights ({})",
-            crate::engine::quantized_kernels()
+        tracing::info!(
+            kernels = crate::engine::quantized_kernels(),
+            "sampling with the quantized weights"
         );
     }
     // The trainer renders conversations with the same template (one builder for both).
@@ -192,13 +193,33 @@ pub fn router(state: AppState) -> Router {
         .fallback(|| async {
             ApiError::not_found("No such route. The API lives under /v1 (see the README).")
         })
+        .layer(middleware::from_fn(log_request))
         .with_state(state)
+}
+
+/// Every request in a `request` span (method, path), logged when answered: failures (5xx) as
+/// warnings, refusals (4xx) as info, the rest at debug (`RUST_LOG=art_core=debug` shows them).
+async fn log_request(request: Request, next: Next) -> Response {
+    let span = tracing::info_span!(
+        "request",
+        method = %request.method(),
+        path = %request.uri().path()
+    );
+    let started = std::time::Instant::now();
+    let response = next.run(request).instrument(span.clone()).await;
+    let (status, ms) = (response.status().as_u16(), started.elapsed().as_millis());
+    span.in_scope(|| match status {
+        500.. => tracing::warn!(status, ms, "answered"),
+        400..=499 => tracing::info!(status, ms, "answered"),
+        _ => tracing::debug!(status, ms, "answered"),
+    });
+    response
 }
 
 /// Serves until the process is stopped. Prints one line with the address once it is listening.
 pub async fn serve(options: ServeOptions) -> anyhow::Result<()> {
     if crate::telemetry::init("art-serve") {
-        eprintln!("art serve: exporting traces over OTLP (OTEL_EXPORTER_OTLP_ENDPOINT)");
+        tracing::info!("exporting traces over OTLP (OTEL_EXPORTER_OTLP_ENDPOINT)");
     }
     let state = tokio::task::block_in_place(|| build_state(&options))?;
     let listener = tokio::net::TcpListener::bind((options.host.as_str(), options.port)).await?;

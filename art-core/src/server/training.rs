@@ -210,14 +210,22 @@ fn on_trainer<R>(
     outcome_of: fn(&R) -> (u64, &StepMetrics),
 ) -> Result<R, TrainError> {
     let _in_span = span.clone().attach();
+    let log_span = tracing::info_span!("train", model = %model.info.name, split);
+    let _in_log_span = log_span.enter();
     let mut trainer = model
         .trainer
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let started = std::time::Instant::now();
     let outcome = work(&mut trainer);
-    if let Ok(result) = &outcome {
-        let (step, metrics) = outcome_of(result);
-        publish_step(model, step, split, metrics);
+    let seconds = started.elapsed().as_secs_f64();
+    match &outcome {
+        Ok(result) => {
+            let (step, metrics) = outcome_of(result);
+            tracing::info!(step, loss = metrics.loss, seconds, "step done");
+            publish_step(model, step, split, metrics);
+        }
+        Err(e) => tracing::warn!(error = %e, seconds, "step failed"),
     }
     telemetry::end_with(&span, &outcome, |result| {
         let (step, metrics) = outcome_of(result);
@@ -235,7 +243,7 @@ fn publish_step(model: &RegisteredModel, step: u64, split: &str, metrics: &StepM
         .store
         .append_history(step, split, metrics.history_metrics())
     {
-        eprintln!("art serve: step {step} of `{}`: {e}", model.info.name);
+        tracing::warn!(model = %model.info.name, step, error = %e, "cannot append the step to the history");
     }
 }
 
