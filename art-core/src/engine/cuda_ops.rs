@@ -481,9 +481,9 @@ pub(crate) fn target_logprob_grad(
                 .arg(&tg)
                 .arg(&out)
                 .arg(&v_int);
-            // SAFETY: each block reads its row of logits and two statistics and gradients, and
-            // writes its row of `v` gradients; the caller checked the shapes.
             if n > 0 {
+                // SAFETY: each block reads its row of logits and two statistics and gradients,
+                // and writes its row of `v` gradients; the caller checked the shapes.
                 unsafe { builder.launch(cfg) }.w()?;
             }
             out

@@ -216,87 +216,92 @@ impl PackedWeight {
         first: usize,
         dst: *mut f32,
     ) {
-        let blocks = self.k / BLOCK;
-        let quant_lines = if B == 4 { 4 } else { 8 };
-        let record = quant_lines + 1;
-        let nibble = _mm512_set1_epi8(0x0f);
-        let mut acc = [[_mm512_setzero_ps(); P]; R];
-        for b in 0..blocks {
-            let mut dots = [[_mm512_setzero_si512(); P]; R];
-            // (Macros, not closures: a closure would not inherit this function's target features.)
-            // The 4 input bytes of group `s` of block `b` of tile row `r`, in every lane.
-            macro_rules! group {
-                ($r:expr, $s:expr) => {{
-                    let at = input
-                        .quants
-                        .as_ptr()
-                        .add((row + $r) * self.k + b * BLOCK + $s * 4);
-                    _mm512_set1_epi32((at as *const i32).read_unaligned())
-                }};
-            }
-            // Line `line` of the record of panel `first + p`, block `b`.
-            macro_rules! line {
-                ($p:expr, $line:expr) => {
-                    self.lines
-                        .as_ptr()
-                        .add(((first + $p) * blocks + b) * record + $line)
-                        .cast::<__m512i>()
-                };
-            }
-            if B == 4 {
-                for s in 0..4 {
-                    for p in 0..P {
-                        let packed = _mm512_load_si512(line!(p, s));
-                        let low = _mm512_and_si512(packed, nibble);
-                        let high = _mm512_and_si512(_mm512_srli_epi16::<4>(packed), nibble);
-                        for r in 0..R {
-                            dots[r][p] = _mm512_dpbusd_epi32(dots[r][p], low, group!(r, s));
-                            dots[r][p] = _mm512_dpbusd_epi32(dots[r][p], high, group!(r, s + 4));
+        // SAFETY: the caller's contract (AVX-512F/BW/VNNI present, rows `row..row + R` inside the input, panels `first..first + P` inside the weight and `dst`); masked stores write only each panel's valid columns.
+        unsafe {
+            let blocks = self.k / BLOCK;
+            let quant_lines = if B == 4 { 4 } else { 8 };
+            let record = quant_lines + 1;
+            let nibble = _mm512_set1_epi8(0x0f);
+            let mut acc = [[_mm512_setzero_ps(); P]; R];
+            for b in 0..blocks {
+                let mut dots = [[_mm512_setzero_si512(); P]; R];
+                // (Macros, not closures: a closure would not inherit this function's target features.)
+                // The 4 input bytes of group `s` of block `b` of tile row `r`, in every lane.
+                macro_rules! group {
+                    ($r:expr, $s:expr) => {{
+                        let at = input
+                            .quants
+                            .as_ptr()
+                            .add((row + $r) * self.k + b * BLOCK + $s * 4);
+                        _mm512_set1_epi32((at as *const i32).read_unaligned())
+                    }};
+                }
+                // Line `line` of the record of panel `first + p`, block `b`.
+                macro_rules! line {
+                    ($p:expr, $line:expr) => {
+                        self.lines
+                            .as_ptr()
+                            .add(((first + $p) * blocks + b) * record + $line)
+                            .cast::<__m512i>()
+                    };
+                }
+                if B == 4 {
+                    for s in 0..4 {
+                        for p in 0..P {
+                            let packed = _mm512_load_si512(line!(p, s));
+                            let low = _mm512_and_si512(packed, nibble);
+                            let high = _mm512_and_si512(_mm512_srli_epi16::<4>(packed), nibble);
+                            for r in 0..R {
+                                dots[r][p] = _mm512_dpbusd_epi32(dots[r][p], low, group!(r, s));
+                                dots[r][p] =
+                                    _mm512_dpbusd_epi32(dots[r][p], high, group!(r, s + 4));
+                            }
+                        }
+                    }
+                } else {
+                    for s in 0..8 {
+                        for p in 0..P {
+                            let weights = _mm512_load_si512(line!(p, s));
+                            for r in 0..R {
+                                dots[r][p] = _mm512_dpbusd_epi32(dots[r][p], weights, group!(r, s));
+                            }
                         }
                     }
                 }
-            } else {
-                for s in 0..8 {
-                    for p in 0..P {
-                        let weights = _mm512_load_si512(line!(p, s));
-                        for r in 0..R {
-                            dots[r][p] = _mm512_dpbusd_epi32(dots[r][p], weights, group!(r, s));
-                        }
+                for p in 0..P {
+                    let scales = line!(p, quant_lines).cast::<__m256i>();
+                    let d = _mm512_cvtph_ps(_mm256_load_si256(scales));
+                    let m = _mm512_cvtph_ps(_mm256_load_si256(scales.add(1)));
+                    for r in 0..R {
+                        let at = (row + r) * blocks + b;
+                        let scale =
+                            _mm512_mul_ps(d, _mm512_set1_ps(*input.scales.get_unchecked(at)));
+                        let dot = if B == 4 {
+                            // `m da sum(qa)`: the offset's share.
+                            let offset = _mm512_set1_ps(*input.scaled_sums.get_unchecked(at));
+                            acc[r][p] = _mm512_fmadd_ps(m, offset, acc[r][p]);
+                            dots[r][p]
+                        } else {
+                            // The +128 of the unsigned weights, taken back in integers (exact).
+                            let sum = _mm512_set1_epi32(128 * *input.sums.get_unchecked(at));
+                            _mm512_sub_epi32(dots[r][p], sum)
+                        };
+                        acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][p]);
                     }
                 }
             }
             for p in 0..P {
-                let scales = line!(p, quant_lines).cast::<__m256i>();
-                let d = _mm512_cvtph_ps(_mm256_load_si256(scales));
-                let m = _mm512_cvtph_ps(_mm256_load_si256(scales.add(1)));
+                let column = (first + p) * PANEL;
+                let width = (self.n - column).min(PANEL);
+                let mask: __mmask16 = if width == PANEL {
+                    0xffff
+                } else {
+                    (1u16 << width) - 1
+                };
                 for r in 0..R {
-                    let at = (row + r) * blocks + b;
-                    let scale = _mm512_mul_ps(d, _mm512_set1_ps(*input.scales.get_unchecked(at)));
-                    let dot = if B == 4 {
-                        // `m da sum(qa)`: the offset's share.
-                        let offset = _mm512_set1_ps(*input.scaled_sums.get_unchecked(at));
-                        acc[r][p] = _mm512_fmadd_ps(m, offset, acc[r][p]);
-                        dots[r][p]
-                    } else {
-                        // The +128 of the unsigned weights, taken back in integers (exact).
-                        let sum = _mm512_set1_epi32(128 * *input.sums.get_unchecked(at));
-                        _mm512_sub_epi32(dots[r][p], sum)
-                    };
-                    acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][p]);
+                    let out = dst.add((row + r) * self.n + column);
+                    _mm512_mask_storeu_ps(out, mask, acc[r][p]);
                 }
-            }
-        }
-        for p in 0..P {
-            let column = (first + p) * PANEL;
-            let width = (self.n - column).min(PANEL);
-            let mask: __mmask16 = if width == PANEL {
-                0xffff
-            } else {
-                (1u16 << width) - 1
-            };
-            for r in 0..R {
-                let out = dst.add((row + r) * self.n + column);
-                _mm512_mask_storeu_ps(out, mask, acc[r][p]);
             }
         }
     }

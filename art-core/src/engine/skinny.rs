@@ -108,21 +108,27 @@ impl Tile<'_> {
     /// # Safety
     /// `row + R <= m` and `first + count <= n` for the `[m, k]` input and `[n, k]` weight.
     unsafe fn rows<const R: usize, const N: usize>(&self) -> ([*const f32; R], [*const f32; N]) {
-        let x_rows = std::array::from_fn(|r| self.x.as_ptr().add((self.row + r) * self.k));
-        let w_rows = std::array::from_fn(|j| {
-            let j = if j < self.count { j } else { 0 };
-            self.w.as_ptr().add((self.first + j) * self.k)
-        });
-        (x_rows, w_rows)
+        // SAFETY: the caller's contract: rows `row..row + R` of `x` and rows `first..first + count` of `w` (or the first, again) are inside their slices, so each offset stays in its allocation.
+        unsafe {
+            let x_rows = std::array::from_fn(|r| self.x.as_ptr().add((self.row + r) * self.k));
+            let w_rows = std::array::from_fn(|j| {
+                let j = if j < self.count { j } else { 0 };
+                self.w.as_ptr().add((self.first + j) * self.k)
+            });
+            (x_rows, w_rows)
+        }
     }
 
     /// # Safety
     /// As [`Tile::rows`], with `dst` valid for the `[m, n]` output and no other thread writing
     /// columns `first..first + count`.
     unsafe fn store<const R: usize, const N: usize>(&self, sums: impl Fn(usize, usize) -> f32) {
-        for r in 0..R {
-            for j in 0..self.count.min(N) {
-                *self.dst.add((self.row + r) * self.n + self.first + j) = sums(r, j);
+        // SAFETY: the caller's contract: every written index is inside the `[m, n]` output `dst` points to, in columns no other thread writes.
+        unsafe {
+            for r in 0..R {
+                for j in 0..self.count.min(N) {
+                    *self.dst.add((self.row + r) * self.n + self.first + j) = sums(r, j);
+                }
             }
         }
     }
@@ -131,65 +137,71 @@ impl Tile<'_> {
     /// As [`Tile::store`], on a CPU with AVX-512F.
     #[target_feature(enable = "avx512f")]
     unsafe fn avx512<const R: usize>(&self) {
-        const N: usize = TILE_N_AVX512;
-        let k = self.k;
-        let mut acc = [[_mm512_setzero_ps(); N]; R];
-        let (x_rows, w_rows) = self.rows::<R, N>();
-        let mut at = 0;
-        while at < k {
-            let mask: __mmask16 = if k - at >= 16 {
-                0xffff
-            } else {
-                (1u16 << (k - at)) - 1
-            };
-            let ws: [__m512; N] =
-                std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, w_rows[j].add(at)));
-            for r in 0..R {
-                let xv = _mm512_maskz_loadu_ps(mask, x_rows[r].add(at));
-                for j in 0..N {
-                    acc[r][j] = _mm512_fmadd_ps(xv, ws[j], acc[r][j]);
+        // SAFETY: the caller's contract (AVX-512F present, the tile inside `x`, `w` and `dst`); masked loads read only the `k - at` valid lanes of each row.
+        unsafe {
+            const N: usize = TILE_N_AVX512;
+            let k = self.k;
+            let mut acc = [[_mm512_setzero_ps(); N]; R];
+            let (x_rows, w_rows) = self.rows::<R, N>();
+            let mut at = 0;
+            while at < k {
+                let mask: __mmask16 = if k - at >= 16 {
+                    0xffff
+                } else {
+                    (1u16 << (k - at)) - 1
+                };
+                let ws: [__m512; N] =
+                    std::array::from_fn(|j| _mm512_maskz_loadu_ps(mask, w_rows[j].add(at)));
+                for r in 0..R {
+                    let xv = _mm512_maskz_loadu_ps(mask, x_rows[r].add(at));
+                    for j in 0..N {
+                        acc[r][j] = _mm512_fmadd_ps(xv, ws[j], acc[r][j]);
+                    }
                 }
+                at += 16;
             }
-            at += 16;
+            self.store::<R, N>(|r, j| _mm512_reduce_add_ps(acc[r][j]));
         }
-        self.store::<R, N>(|r, j| _mm512_reduce_add_ps(acc[r][j]));
     }
 
     /// # Safety
     /// As [`Tile::store`], on a CPU with AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     unsafe fn avx2<const R: usize>(&self) {
-        const N: usize = TILE_N_AVX2;
-        let k = self.k;
-        let mut acc = [[_mm256_setzero_ps(); N]; R];
-        let (x_rows, w_rows) = self.rows::<R, N>();
-        let whole = k - k % 8;
-        let mut at = 0;
-        while at < whole {
-            let ws: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(w_rows[j].add(at)));
-            for r in 0..R {
-                let xv = _mm256_loadu_ps(x_rows[r].add(at));
-                for j in 0..N {
-                    acc[r][j] = _mm256_fmadd_ps(xv, ws[j], acc[r][j]);
+        // SAFETY: the caller's contract (AVX2 and FMA present, the tile inside `x`, `w` and `dst`); plain loads stay below `whole <= k`, masked loads read only the tail's valid lanes.
+        unsafe {
+            const N: usize = TILE_N_AVX2;
+            let k = self.k;
+            let mut acc = [[_mm256_setzero_ps(); N]; R];
+            let (x_rows, w_rows) = self.rows::<R, N>();
+            let whole = k - k % 8;
+            let mut at = 0;
+            while at < whole {
+                let ws: [__m256; N] = std::array::from_fn(|j| _mm256_loadu_ps(w_rows[j].add(at)));
+                for r in 0..R {
+                    let xv = _mm256_loadu_ps(x_rows[r].add(at));
+                    for j in 0..N {
+                        acc[r][j] = _mm256_fmadd_ps(xv, ws[j], acc[r][j]);
+                    }
+                }
+                at += 8;
+            }
+            if at < k {
+                // The tail with masked loads (the main loop's plain loads are cheaper): lanes below
+                // the tail's length load, the others read as zero.
+                let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((k - at) as i32), lanes);
+                let ws: [__m256; N] =
+                    std::array::from_fn(|j| _mm256_maskload_ps(w_rows[j].add(at), mask));
+                for r in 0..R {
+                    let xv = _mm256_maskload_ps(x_rows[r].add(at), mask);
+                    for j in 0..N {
+                        acc[r][j] = _mm256_fmadd_ps(xv, ws[j], acc[r][j]);
+                    }
                 }
             }
-            at += 8;
+            self.store::<R, N>(|r, j| horizontal_sum(acc[r][j]));
         }
-        if at < k {
-            // The tail with masked loads (the main loop's plain loads are cheaper): lanes below
-            // the tail's length load, the others read as zero.
-            let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((k - at) as i32), lanes);
-            let ws: [__m256; N] =
-                std::array::from_fn(|j| _mm256_maskload_ps(w_rows[j].add(at), mask));
-            for r in 0..R {
-                let xv = _mm256_maskload_ps(x_rows[r].add(at), mask);
-                for j in 0..N {
-                    acc[r][j] = _mm256_fmadd_ps(xv, ws[j], acc[r][j]);
-                }
-            }
-        }
-        self.store::<R, N>(|r, j| horizontal_sum(acc[r][j]));
     }
 }
 
