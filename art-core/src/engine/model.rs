@@ -23,6 +23,10 @@ use super::ops;
 use super::switches::MANUAL_BACKWARD;
 
 mod backward;
+mod kv_cache;
+mod training;
+
+pub use kv_cache::KvCache;
 
 /// How to run one forward pass.
 #[derive(Debug, Clone, Copy, Default)]
@@ -162,104 +166,6 @@ impl RopeTables {
         let x2 = x.narrow(D::Minus1, half, half)?;
         let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
         Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
-    }
-}
-
-/// The keys and values one sequence has seen, for every layer. Storage grows by doubling, and
-/// new entries are written in place.
-#[derive(Debug, Clone, Default)]
-pub struct KvCache {
-    layers: Vec<LayerKv>,
-    len: usize,
-}
-
-#[derive(Debug, Clone, Default)]
-struct LayerKv {
-    /// `[1, kv_heads, capacity, head_dim]`, valid up to the cache's `len`.
-    k: Option<Tensor>,
-    v: Option<Tensor>,
-}
-
-impl KvCache {
-    pub fn new(num_layers: usize) -> Self {
-        KvCache {
-            layers: vec![LayerKv::default(); num_layers],
-            len: 0,
-        }
-    }
-
-    /// Tokens cached so far (the position of the next token).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// An independent copy (for sampling several continuations of one prompt).
-    pub fn deep_clone(&self) -> Result<Self> {
-        let copy = |t: &Option<Tensor>| -> Result<Option<Tensor>> {
-            Ok(match t {
-                Some(t) => Some(t.copy()?),
-                None => None,
-            })
-        };
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(LayerKv {
-                    k: copy(&l.k)?,
-                    v: copy(&l.v)?,
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok(KvCache {
-            layers,
-            len: self.len,
-        })
-    }
-}
-
-impl LayerKv {
-    /// Writes `k`, `v` (`[1, kv, L, hd]`) at position `start` and returns views of everything
-    /// cached so far, `[1, kv, start + L, hd]`.
-    fn append(&mut self, start: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let new_len = start + k.dim(2)?;
-        let (_, kv, _, hd) = k.dims4()?;
-        self.reserve(new_len, kv, hd, k.dtype(), k.device())?;
-        let (kb, vb) = (self.k.as_ref().unwrap(), self.v.as_ref().unwrap());
-        kb.slice_set(&k.contiguous()?, 2, start)?;
-        vb.slice_set(&v.contiguous()?, 2, start)?;
-        Ok((kb.narrow(2, 0, new_len)?, vb.narrow(2, 0, new_len)?))
-    }
-}
-
-impl LayerKv {
-    /// Makes room for `len` positions (`[1, kv, >= len, hd]` buffers), keeping what is cached.
-    fn reserve(
-        &mut self,
-        len: usize,
-        kv: usize,
-        hd: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<()> {
-        let capacity = self.k.as_ref().map(|t| t.dim(2)).transpose()?.unwrap_or(0);
-        if len > capacity {
-            let new_capacity = len.max(2 * capacity).max(64);
-            let grow = |old: &Option<Tensor>| -> Result<Tensor> {
-                let buf = Tensor::zeros((1, kv, new_capacity, hd), dtype, device)?;
-                if let Some(old) = old {
-                    buf.slice_set(old, 2, 0)?;
-                }
-                Ok(buf)
-            };
-            self.k = Some(grow(&self.k)?);
-            self.v = Some(grow(&self.v)?);
-        }
-        Ok(())
     }
 }
 
@@ -645,12 +551,6 @@ impl Model {
         self.lm_head.forward(hidden, fwd.quantized, None, 0.0)
     }
 
-    /// The gradient of [`Model::logits`]' input (`[N, hidden]`) given the logits' (`[N, vocab]`),
-    /// for a trainer that runs the head's backward itself.
-    pub fn logits_input_grad(&self, grad: &Tensor) -> Result<Tensor> {
-        Ok(grad.matmul(self.lm_head.weight())?)
-    }
-
     fn forward_layers(&self, input_ids: &Tensor, fwd: &Forward) -> Result<Tensor> {
         self.check_ids(input_ids)?;
         let (b, l) = input_ids.dims2()?;
@@ -662,111 +562,6 @@ impl Model {
             x = layer.forward(&x, &rope, None, None, fwd)?;
         }
         Ok(x)
-    }
-
-    /// [`Model::forward_hidden`]'s layers for training with recomputation (gradient
-    /// checkpointing): run without a graph, keeping only each layer's input, so that a step holds
-    /// one layer's activations at a time instead of every layer's. Returns the last layer's
-    /// output as a variable, where the graph of the head and the loss starts (apply
-    /// [`Model::final_norm`] to it), and the inputs that [`Model::backward_layers`] needs.
-    pub fn forward_layers_checkpointed(
-        &self,
-        input_ids: &Tensor,
-        adapter: Option<&LoraAdapter>,
-    ) -> Result<(Var, LayerInputs)> {
-        self.check_ids(input_ids)?;
-        let (b, l) = input_ids.dims2()?;
-        let rope = self
-            .rotary
-            .tables(&vec![0; b], l, self.dtype, &self.device)?;
-        let fwd = Forward {
-            adapter,
-            train: false,
-            quantized: false,
-        };
-        let mut x = self.embed(input_ids)?;
-        let mut inputs = Vec::with_capacity(self.layers.len());
-        let mut casts = Vec::new();
-        let manual = adapter.filter(|_| backward::available(&x) && MANUAL_BACKWARD.on());
-        for (i, layer) in self.layers.iter().enumerate() {
-            inputs.push(x.clone());
-            x = match manual {
-                Some(adapter) => {
-                    casts.push(backward::LayerCasts::new(adapter, i, x.dtype())?);
-                    backward::layer_forward(layer, &x, &rope, adapter, &casts[i])?
-                }
-                None => layer.forward(&x, &rope, None, None, &fwd)?,
-            };
-        }
-        let inputs = LayerInputs {
-            inputs,
-            rope,
-            casts,
-        };
-        Ok((Var::from_tensor(&x)?, inputs))
-    }
-
-    /// The final RMS norm, differentiable: the step from the last layer's output to the hidden
-    /// states the language-model head reads.
-    pub fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
-        self.norm.forward(x)
-    }
-
-    /// The backward of [`Model::forward_layers_checkpointed`]: given `grad`, the gradient of the
-    /// last layer's output, rebuilds each layer's graph from its saved input (last layer first),
-    /// backpropagates through it, and stores the gradient of every `adapter` variable in
-    /// `grads`. One layer's graph lives at a time.
-    pub fn backward_layers(
-        &self,
-        inputs: LayerInputs,
-        grad: Tensor,
-        adapter: &LoraAdapter,
-        grads: &mut GradStore,
-    ) -> Result<()> {
-        let rope = inputs.rope;
-        let fwd = Forward {
-            adapter: Some(adapter),
-            train: true,
-            quantized: false,
-        };
-        let mut grad = grad.detach();
-        let mut casts = inputs.casts;
-        for (i, x) in inputs.inputs.into_iter().enumerate().rev() {
-            if let Some(cast) = casts.pop() {
-                let layer = &self.layers[i];
-                grad = backward::layer_backward(layer, &x, &grad, &rope, adapter, &cast, grads)?;
-                continue;
-            }
-            // Elsewhere (no fused kernels): candle's autograd over one layer's rebuilt graph.
-            // The embedding (layer 0's input) needs no gradient.
-            let x = if i > 0 {
-                Var::from_tensor(&x)?.into_inner()
-            } else {
-                x
-            };
-            let y = self.layers[i].forward(&x, &rope, None, None, &fwd)?;
-            // d/dtheta sum(y * grad) = grad^T dy/dtheta: the vector-Jacobian product wanted.
-            let layer_grads = (y * &grad)?.sum_all()?.backward()?;
-            for proj in Proj::ALL {
-                let Some(pair) = adapter.get(i, proj) else {
-                    continue;
-                };
-                for var in [&pair.a, &pair.b] {
-                    if let Some(g) = layer_grads.get(var.as_tensor()) {
-                        grads.insert(var.as_tensor(), g.clone());
-                    }
-                }
-            }
-            if i > 0 {
-                grad = layer_grads
-                    .get(&x)
-                    .ok_or_else(|| {
-                        candle_core::Error::Msg(format!("no gradient reached layer {i}'s input"))
-                    })?
-                    .clone();
-            }
-        }
-        Ok(())
     }
 
     /// Runs `input_ids` (`[B, L]`) where row `b` continues the sequence cached in `caches[b]`,

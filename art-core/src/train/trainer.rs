@@ -691,8 +691,6 @@ fn cross_entropy_config(config: &SftConfig, learning_rate: f64) -> TrainConfig {
         learning_rate,
         loss_fn: LossFn::Cispo,
         precalculate_logprobs: true,
-        epsilon: 1.0,
-        epsilon_high: Some(4.0),
         normalize_by_sequence_length: false,
         max_grad_norm: config.max_grad_norm,
         weight_decay: config.weight_decay,
