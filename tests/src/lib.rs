@@ -120,3 +120,39 @@ async fn axum_serve(listener: tokio::net::TcpListener, state: art_core::server::
         .await
         .expect("server runs");
 }
+
+/// `art serve` on `model_dir` as a child process (killed when dropped), with `api_key` if given;
+/// returns it and the URL it printed. Its output is drained so that it never blocks on a full pipe.
+pub async fn spawn_server(
+    model_dir: &Path,
+    art_dir: &Path,
+    api_key: Option<&str>,
+) -> (tokio::process::Child, String) {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let art = art_binary();
+    let mut command = tokio::process::Command::new(&art);
+    command
+        .args(["serve", "--port", "0", "--model"])
+        .arg(model_dir);
+    command.arg("--art-dir").arg(art_dir);
+    if let Some(key) = api_key {
+        command.args(["--api-key", key]);
+    }
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e} (cargo test --workspace builds it)", art.display()));
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    loop {
+        let line = lines
+            .next_line()
+            .await
+            .unwrap()
+            .expect("the server prints its address");
+        if let Some(url) = line.split("listening on ").nth(1) {
+            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            return (child, url.to_string());
+        }
+    }
+}

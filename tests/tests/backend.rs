@@ -9,7 +9,7 @@ use art_core::{
     LocalBackend, LocalBackendOptions, Message, RemoteBackend, SftConfig, TrainConfig,
     TrainableModel, Trajectory, TrajectoryGroup,
 };
-use art_e2e::{temp_dir, tiny_model};
+use art_e2e::{spawn_server, temp_dir, tiny_model};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 async fn rollout_groups(model: &TrainableModel, groups: u64, size: u64) -> Vec<TrajectoryGroup> {
@@ -204,10 +204,9 @@ async fn local_backend_serves_a_registered_model() {
 #[tokio::test(flavor = "multi_thread")]
 async fn remote_backend_trains_and_survives_a_killed_server() {
     let dir = temp_dir("remote-backend");
-    let art = art_e2e::art_binary();
     let model_dir = tiny_model(dir.path());
     let art_dir = dir.path().join(".art");
-    let (mut child, url) = spawn_server(&art, &model_dir, &art_dir).await;
+    let (mut child, url) = spawn_server(&model_dir, &art_dir, Some("sk-remote")).await;
 
     let wrong = RemoteBackend::new(&url, Some("sk-nope".into()));
     wrong.health().await.expect("health needs no key");
@@ -251,7 +250,7 @@ async fn remote_backend_trains_and_survives_a_killed_server() {
     let expected_step = if outcome.is_ok() { 2 } else { 1 };
 
     // A restarted server resumes the model from its last complete checkpoint.
-    let (mut child, url) = spawn_server(&art, &model_dir, &art_dir).await;
+    let (mut child, url) = spawn_server(&model_dir, &art_dir, Some("sk-remote")).await;
     let backend = RemoteBackend::new(&url, Some("sk-remote".into()));
     let model = TrainableModel::register(&backend, "agent", "remote")
         .await
@@ -302,34 +301,4 @@ async fn a_local_server_exits_when_its_stdin_closes() {
         .expect("the server exits within 10 s of its stdin closing")
         .unwrap();
     assert!(status.success(), "{status}");
-}
-
-/// `art serve` as a child process with an API key; returns it and its URL.
-async fn spawn_server(
-    art: &std::path::Path,
-    model_dir: &std::path::Path,
-    art_dir: &std::path::Path,
-) -> (tokio::process::Child, String) {
-    let mut child = tokio::process::Command::new(art)
-        .args(["serve", "--port", "0", "--api-key", "sk-remote", "--model"])
-        .arg(model_dir)
-        .arg("--art-dir")
-        .arg(art_dir)
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap_or_else(|e| panic!("{}: {e} (cargo test --workspace builds it)", art.display()));
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    loop {
-        let line = lines
-            .next_line()
-            .await
-            .unwrap()
-            .expect("the server prints its address");
-        if let Some(url) = line.split("listening on ").nth(1) {
-            // Keep reading so the server never blocks on a full pipe.
-            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-            return (child, url.to_string());
-        }
-    }
 }

@@ -7,22 +7,21 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use art_core::train::list_checkpoints;
 use art_core::{
     ChatCompletionRequest, Message, RemoteBackend, Split, TrainConfig, TrainableModel, Trajectory,
     TrajectoryGroup,
 };
-use art_e2e::{temp_dir, tiny_model};
-use tokio::io::{AsyncBufReadExt, BufReader};
+use art_e2e::{spawn_server, temp_dir, tiny_model};
 
 const RESTARTS: usize = 20;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn twenty_kills_mid_step_lose_nothing_acknowledged() {
     let dir = temp_dir("kill-restart");
-    let art = art_e2e::art_binary();
     let model_dir = tiny_model(dir.path());
     let art_dir = dir.path().join(".art");
-    let checkpoints = art_dir.join("kill/models/agent/checkpoints");
+    let checkpoints = model_dir_of(&art_dir).join("checkpoints");
 
     // Kill points: after the step's first progress line, a delay from a fixed pseudo-random
     // sequence over [0, 1.5 x a full step], so that kills land in the forward/backward passes,
@@ -41,12 +40,12 @@ async fn twenty_kills_mid_step_lose_nothing_acknowledged() {
     let mut torn_checkpoints = 0;
     for restart in 0..RESTARTS {
         torn_checkpoints += temp_entries(&checkpoints);
-        let (mut child, url) = spawn_server(&art, &model_dir, &art_dir).await;
+        let (mut child, url) = spawn_server(&model_dir, &art_dir, None).await;
         let backend = RemoteBackend::new(&url, None);
         let model = TrainableModel::register(&backend, "agent", "kill")
             .await
             .unwrap();
-        let on_disk = complete_checkpoints(&checkpoints);
+        let on_disk = list_checkpoints(&model_dir_of(&art_dir));
         let step = model.get_step().await.unwrap();
         // The last complete checkpoint is where the model resumes; the killed step either
         // finished (and was kept) or left nothing.
@@ -121,20 +120,6 @@ async fn twenty_kills_mid_step_lose_nothing_acknowledged() {
     );
 }
 
-/// The steps whose checkpoint directory holds an adapter (what the trainer resumes from).
-fn complete_checkpoints(dir: &Path) -> Vec<u64> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut steps: Vec<u64> = entries
-        .map(|e| e.unwrap())
-        .filter(|e| e.path().join("adapter_model.safetensors").is_file())
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
-        .collect();
-    steps.sort_unstable();
-    steps
-}
-
 /// Half-written checkpoints (temp directories) in `dir`.
 fn temp_entries(dir: &Path) -> usize {
     std::fs::read_dir(dir).map_or(0, |entries| {
@@ -207,31 +192,7 @@ async fn rollout_groups(model: &TrainableModel, round: u64) -> Vec<TrajectoryGro
     groups
 }
 
-/// `art serve` on the tiny model as a child process; returns it and its URL.
-async fn spawn_server(
-    art: &Path,
-    model_dir: &Path,
-    art_dir: &Path,
-) -> (tokio::process::Child, String) {
-    let mut child = tokio::process::Command::new(art)
-        .args(["serve", "--port", "0", "--model"])
-        .arg(model_dir)
-        .arg("--art-dir")
-        .arg(art_dir)
-        .stdout(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap_or_else(|e| panic!("{}: {e} (cargo test --workspace builds it)", art.display()));
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    loop {
-        let line = lines
-            .next_line()
-            .await
-            .unwrap()
-            .expect("the server prints its address");
-        if let Some(url) = line.split("listening on ").nth(1) {
-            tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-            return (child, url.to_string());
-        }
-    }
+/// The model's directory: `<art_dir>/<project>/models/<name>`.
+fn model_dir_of(art_dir: &Path) -> std::path::PathBuf {
+    art_dir.join("kill/models/agent")
 }
