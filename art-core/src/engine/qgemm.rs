@@ -357,15 +357,15 @@ mod tests {
     use candle_core::{Device, Module, Tensor};
 
     fn check(dtype: GgmlDType, n: usize, k: usize, m: usize) {
-        if !available() {
-            eprintln!("no AVX-512 VNNI on this CPU: packed kernels not tested");
-            return;
-        }
         let dev = Device::Cpu;
         let w = Tensor::randn(0f32, 0.05, (n, k), &dev).unwrap();
         let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
         let q = QTensor::quantize(&w, dtype).unwrap();
-        let packed = PackedWeight::pack(&q).expect("packs");
+        let Some(packed) = PackedWeight::pack(&q) else {
+            // Without AVX-512 VNNI nothing is packed, so `Linear` keeps candle's kernels.
+            assert!(!available(), "a {dtype:?} [{n}, {k}] weight should pack");
+            return;
+        };
         let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
         let mut ours = vec![0f32; m * n];
         packed.matmul(&xs, m, &mut ours);
