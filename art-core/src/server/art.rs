@@ -43,8 +43,7 @@ pub(super) async fn register_model(
     if let Some(existing) = state.registered(&request.name) {
         return reconnect(&existing.info(), request);
     }
-    let store = ModelStore::open(&state.art_dir, &request.project, &request.name)
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let store = ModelStore::open(&state.art_dir, &request.project, &request.name)?;
     let dir = store.dir().to_path_buf();
     std::fs::create_dir_all(dir.join("checkpoints"))
         .map_err(|e| ApiError::internal(format!("cannot create {}: {e}", dir.display())))?;
@@ -69,9 +68,7 @@ pub(super) async fn register_model(
         // A resumed checkpoint's LoRA shape wins over the request's.
         lora: trainer.lora_config().clone(),
     };
-    store
-        .set_model_info(serde_json::to_value(&info).expect("model info serializes"))
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+    store.set_model_info(serde_json::to_value(&info).expect("model info serializes"))?;
     let mut registry = state.registry.lock().expect("registry lock");
     // Another request may have registered the same name meanwhile.
     if let Some(existing) = registry.models.get(&request.name) {

@@ -8,6 +8,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+use crate::store::StoreError;
+use crate::train::TrainError;
 use crate::types::InvalidName;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -23,6 +25,30 @@ pub struct ApiError {
 impl From<InvalidName> for ApiError {
     fn from(invalid: InvalidName) -> Self {
         ApiError::invalid_param(invalid.what, invalid.to_string())
+    }
+}
+
+/// A store error as an HTTP answer: bad names are the client's, the rest the server's.
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match &e {
+            StoreError::InvalidName(invalid) => invalid.clone().into(),
+            StoreError::MetricNotFound { .. } => {
+                ApiError::invalid_param("best_metric", e.to_string())
+            }
+            _ => ApiError::internal(e.to_string()),
+        }
+    }
+}
+
+/// A training error as an HTTP answer: a malformed batch is the client's, the rest the server's.
+impl From<TrainError> for ApiError {
+    fn from(e: TrainError) -> Self {
+        if e.is_client_error() {
+            ApiError::bad_request(e.to_string())
+        } else {
+            ApiError::internal(e.to_string())
+        }
     }
 }
 

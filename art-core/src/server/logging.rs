@@ -9,21 +9,12 @@ use axum::extract::{Path, State};
 use opentelemetry::trace::SpanKind;
 use opentelemetry::KeyValue;
 
-use crate::store::{LoggedMetrics, StoreError};
+use crate::store::LoggedMetrics;
 use crate::telemetry;
 use crate::types::{check_name, HistoryList, LogRequest, TrajectoryGroupList};
 
 use super::error::{ApiError, ApiJson};
 use super::state::AppState;
-
-/// A store error as an HTTP answer: bad names are the client's, the rest the server's.
-pub fn store_error(e: StoreError) -> ApiError {
-    match &e {
-        StoreError::InvalidName(invalid) => invalid.clone().into(),
-        StoreError::MetricNotFound { .. } => ApiError::invalid_param("best_metric", e.to_string()),
-        _ => ApiError::internal(e.to_string()),
-    }
-}
 
 /// Records the groups as the request's split at the model's current step: the trajectories
 /// parquet, then one history line with the batch's metrics (returned).
@@ -51,7 +42,7 @@ pub async fn log(
     })
     .await
     .map_err(|e| ApiError::internal(format!("logging stopped: {e}")))
-    .and_then(|logged| logged.map_err(store_error));
+    .and_then(|logged| logged.map_err(ApiError::from));
     telemetry::end_with(&span, &logged, |logged| {
         logged
             .entry
@@ -70,8 +61,7 @@ pub async fn history(
     let model = state.registered_or_404(&name)?;
     let data = tokio::task::spawn_blocking(move || model.store.history())
         .await
-        .map_err(|e| ApiError::internal(format!("reading the history stopped: {e}")))?
-        .map_err(store_error)?;
+        .map_err(|e| ApiError::internal(format!("reading the history stopped: {e}")))??;
     Ok(ApiJson(HistoryList { data }))
 }
 
@@ -90,7 +80,6 @@ pub async fn trajectories(
     let data =
         tokio::task::spawn_blocking(move || model.store.read_trajectory_groups(&split, step))
             .await
-            .map_err(|e| ApiError::internal(format!("reading trajectories stopped: {e}")))?
-            .map_err(store_error)?;
+            .map_err(|e| ApiError::internal(format!("reading trajectories stopped: {e}")))??;
     Ok(ApiJson(TrajectoryGroupList { data }))
 }

@@ -22,7 +22,7 @@ use super::error::{ApiError, ApiJson};
 use super::jobs::{object, Job};
 use super::registry::RegisteredModel;
 use super::state::AppState;
-use super::training::{check_sft_request, run_sft, run_step, sft_span, step_span, train_error};
+use super::training::{check_sft_request, run_sft, run_step, sft_span, step_span};
 
 /// The entity a model gets when the client names none (W&B would use the user's default team).
 const DEFAULT_ENTITY: &str = "local";
@@ -207,7 +207,7 @@ pub async fn delete_checkpoints(
             .copied()
             .filter(|s| !request.steps.contains(s))
             .collect();
-        let (deleted, _) = trainer.delete_checkpoints(&keep).map_err(train_error)?;
+        let (deleted, _) = trainer.delete_checkpoints(&keep)?;
         let mut not_found_steps: Vec<u64> = request
             .steps
             .iter()

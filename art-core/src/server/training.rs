@@ -22,7 +22,6 @@ use crate::types::{
 };
 
 use super::error::{ApiError, ApiJson};
-use super::logging::store_error;
 use super::registry::RegisteredModel;
 use super::state::AppState;
 
@@ -113,7 +112,7 @@ async fn ndjson_events<E: Serialize + Send + 'static>(
     });
     let first = match received.recv().await {
         Some(Ok(event)) => event,
-        Some(Err(e)) => return Err(train_error(e)),
+        Some(Err(e)) => return Err(e.into()),
         None => {
             return Err(ApiError::internal(
                 "the training thread stopped unexpectedly",
@@ -255,14 +254,6 @@ fn step_attributes(step: u64, split: &str, metrics: &StepMetrics) -> Vec<KeyValu
         .collect()
 }
 
-pub(super) fn train_error(e: TrainError) -> ApiError {
-    if e.is_client_error() {
-        ApiError::bad_request(e.to_string())
-    } else {
-        ApiError::internal(e.to_string())
-    }
-}
-
 pub async fn checkpoints(
     State(state): State<AppState>,
     Path(name): Path<String>,
@@ -328,12 +319,12 @@ pub async fn delete_checkpoints(
         let mut keep = request.keep.clone();
         let mut best = None;
         if let Some(metric) = &request.best_metric {
-            let history = model.store.history().map_err(store_error)?;
+            let history = model.store.history()?;
             let steps = list_checkpoints(&model.dir);
-            best = best_step(&history, metric, request.goal, &steps).map_err(store_error)?;
+            best = best_step(&history, metric, request.goal, &steps)?;
             keep.extend(best);
         }
-        let (deleted, kept) = trainer.delete_checkpoints(&keep).map_err(train_error)?;
+        let (deleted, kept) = trainer.delete_checkpoints(&keep)?;
         Ok(DeleteCheckpointsResponse {
             deleted,
             kept,
