@@ -189,7 +189,13 @@ impl LocalBackend {
             Some(binary) => binary,
             None => find_art_binary()?,
         };
-        let mut child = tokio::process::Command::new(&binary)
+        let mut command = tokio::process::Command::new(&binary);
+        // The server's stderr is this program's (a notebook cell's, a script's): it says only what
+        // went wrong there (warnings and errors) unless RUST_LOG asks for more.
+        if std::env::var_os("RUST_LOG").is_none() {
+            command.env("RUST_LOG", "warn");
+        }
+        let mut child = command
             .arg("serve")
             .args([
                 "--model",
