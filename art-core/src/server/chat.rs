@@ -423,8 +423,6 @@ fn stream(
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let (sender, mut receiver) = mpsc::channel::<Event>(64);
     tokio::spawn(async move {
-        // What each choice has sent of its content so far.
-        let mut sent: Vec<String> = vec![String::new(); prepared.n];
         let chunk = |choices: Vec<ChunkChoice>| ChatCompletionChunk {
             id: prepared.id.clone(),
             object: "chat.completion.chunk".into(),
@@ -472,7 +470,6 @@ fn stream(
                     if delta.is_empty() && logprobs.is_none() {
                         continue;
                     }
-                    sent[token.index].push_str(&delta);
                     let body = chunk(vec![ChunkChoice {
                         index: token.index as u32,
                         delta: ChunkDelta {
@@ -492,16 +489,13 @@ fn stream(
                     });
                     for completion in &output.completions {
                         let whole = choice(&state, &prepared, completion);
-                        // Only what the token chunks have not sent yet (a tool call's text, all of it).
-                        let rest = whole
-                            .message
-                            .content
-                            .as_ref()
-                            .map(Content::text)
-                            .unwrap_or_default()
-                            .strip_prefix(sent[completion.index].as_str())
-                            .unwrap_or_default()
-                            .to_string();
+                        // Without tools the token chunks carried the whole text (their deltas add
+                        // up to it); with tools none was sent, so the text before the calls
+                        // comes here.
+                        let rest = match prepared.tool_format {
+                            Some(_) => whole.message.content.as_ref().map(Content::text),
+                            None => None,
+                        };
                         let tool_calls = (!whole.message.tool_calls.is_empty()).then(|| {
                             whole
                                 .message
@@ -518,7 +512,7 @@ fn stream(
                             index: whole.index,
                             delta: ChunkDelta {
                                 role: None,
-                                content: (!rest.is_empty()).then_some(rest),
+                                content: rest.filter(|text| !text.is_empty()),
                                 tool_calls,
                             },
                             logprobs: None,
