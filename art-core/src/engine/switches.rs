@@ -73,6 +73,11 @@ pub static DECODE_KERNEL: Switch = Switch::new(
     true,
     "CUDA: the fused decode-attention kernel; off: the composite path",
 );
+pub static CUDA_GRAPHS: Switch = Switch::new(
+    "ART_CUDA_GRAPHS",
+    true,
+    "CUDA: replay each decode step from a graph captured per batch size and adapter; off: launch its kernels one by one",
+);
 pub static GPU_SAMPLE: Switch = Switch::new(
     "ART_GPU_SAMPLE",
     true,
@@ -95,12 +100,13 @@ pub static PROFILE_DECODE: Switch = Switch::new(
 );
 
 /// All of the engine's switches.
-pub static ALL: [&Switch; 9] = [
+pub static ALL: [&Switch; 10] = [
     &FUSED_OPS,
     &QGEMM,
     &SKINNY_MATMUL,
     &MANUAL_BACKWARD,
     &DECODE_KERNEL,
+    &CUDA_GRAPHS,
     &GPU_SAMPLE,
     &CUDA_EVENTS,
     &CUDA_POOL_TRIM,

@@ -37,7 +37,8 @@ use serde_json::{json, Value};
 use crate::frames::{self, DataFrame, FrameError};
 use crate::fsutil::{remove_stale_temps, write_atomic_with, FaultInjector, TEMP_PREFIX};
 #[cfg(feature = "frames")]
-use crate::types::{check_name, InvalidName, TrajectoryGroup};
+use crate::types::TrajectoryGroup;
+use crate::types::{check_name, InvalidName};
 pub use crate::types::{HistoryEntry, LoggedMetrics, MetricGoal};
 pub use metrics::batch_metrics;
 

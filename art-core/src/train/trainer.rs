@@ -91,6 +91,9 @@ impl Trainer {
         name: &str,
         lora: &LoraConfig,
     ) -> Result<Self> {
+        // No decode graph may be captured while this enqueues work on the device.
+        let gate = Arc::clone(&engine);
+        let _device = gate.hold_device();
         let template = chat_template_for(&engine)?;
         let device = engine.device().clone();
         // A checkpoint half-written when the process died is a temp directory: remove it.
@@ -182,6 +185,8 @@ impl Trainer {
     /// Deletes the checkpoint of every step not in `keep`, except the latest (training resumes
     /// from it), and stops serving them. Returns the steps deleted and the steps left.
     pub fn delete_checkpoints(&mut self, keep: &[u64]) -> Result<(Vec<u64>, Vec<u64>)> {
+        let engine = Arc::clone(&self.engine);
+        let _device = engine.hold_device();
         let steps = list_checkpoints(&self.model_dir);
         let latest = steps.last().copied();
         let (mut deleted, mut kept) = (Vec::new(), Vec::new());
@@ -222,6 +227,8 @@ impl Trainer {
     /// the deletion of its model would otherwise write its directory again). The caller deletes
     /// the files.
     pub fn retire(&mut self) {
+        let engine = Arc::clone(&self.engine);
+        let _device = engine.hold_device();
         for name in self.served.drain(..) {
             self.engine.remove_adapter(&name);
         }
@@ -286,6 +293,8 @@ impl Trainer {
             return Err(TrainError::Retired(self.name.clone()));
         }
         config.validate()?;
+        let engine = Arc::clone(&self.engine);
+        let _device = engine.hold_device();
         let started = Instant::now();
         let mut tokenization = Tokenization::new(&self.engine, self.template.clone());
         tokenization.allow_missing_logprobs = config.allow_training_without_logprobs;
@@ -397,6 +406,8 @@ impl Trainer {
             ));
         }
         config.validate(trajectories.len())?;
+        let engine = Arc::clone(&self.engine);
+        let _device = engine.hold_device();
         let started = Instant::now();
         let tokenization = Tokenization::for_sft(&self.engine, self.template.clone(), config);
         let mut batches = Vec::new();
