@@ -281,8 +281,12 @@ fn grpo(args: &Args, device: &Device) {
         let monitor = PeakMemory::start(device);
         let weights = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
         let mut ids = Ids(0x5eed);
+        // 512-token prompts, shorter where the model's context could not hold 512 + 256 (a
+        // smoke test on the tiny shape).
+        let context = engine.config().max_position_embeddings;
+        let prompt_len = 512.min(context.saturating_sub(257)).max(1);
         let prompts: Vec<Vec<u32>> = (0..16)
-            .map(|_| (0..512).map(|_| ids.next(vocab)).collect())
+            .map(|_| (0..prompt_len).map(|_| ids.next(vocab)).collect())
             .collect();
         let mut scheduler = engine.scheduler();
         let mut run = |shared: bool, tokens: usize| {
@@ -333,7 +337,7 @@ fn grpo(args: &Args, device: &Device) {
                 )
             });
             println!(
-                "GRPO {shape} 16 prompts x 512 tokens, 8 rollouts x 256 tokens, {}: {seconds:.2} s, \
+                "GRPO {shape} 16 prompts x {prompt_len} tokens, 8 rollouts x 256 tokens, {}: {seconds:.2} s, \
                  {:.0} sampled tok/s; peak {peak}",
                 if shared {
                     "prompt prefilled once per group (n = 8)"
