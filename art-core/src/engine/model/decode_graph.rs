@@ -10,9 +10,9 @@
 //! cache addresses and positions ([`super::cuda_decode::DecodePlan`]) from buffers owned here,
 //! which the host fills before each replay, and writes its logits into one; everything else the
 //! forward allocates is allocated and freed inside the graph. Rows beyond the batch (a bucket is
-//! rounded up) decode token 0 into a scratch cache. The step itself
-//! ([`super::decode_step`]) reads positions from the table on the GPU. The cache addresses may change between steps (a cache
-//! grows by doubling): they are data in the table, not part of the graph.
+//! rounded up) decode token 0 into a scratch cache. The step itself ([`super::decode_step`])
+//! reads the positions from the table on the GPU. The cache addresses may change between steps
+//! (a cache grows by doubling): they are data in the table, not part of the graph.
 //!
 //! A graph reads the adapter's weights where they were at capture, so each adapter gets its own
 //! graphs; the adapter is kept alive while they exist (a few adapters' worth at most).
@@ -40,7 +40,7 @@ pub struct DecodeGraphs {
     captured: Vec<Captured>,
     /// Where padding rows write their keys and values: `[kv_heads, 1, head_dim]`.
     scratch: Option<Tensor>,
-    /// Set when a capture failed: the ordinary path runs from then on.
+    /// Why a capture failed, if one did: the ordinary path runs from then on (logged once).
     broken: Option<String>,
     /// Replays so far, and their clock for the LRU.
     replays: u64,
@@ -67,22 +67,6 @@ fn bucket_for(rows: usize) -> Option<usize> {
 
 fn enabled() -> bool {
     crate::engine::switches::CUDA_GRAPHS.on()
-}
-
-impl DecodeGraphs {
-    /// Why graphs stopped being used, if a capture failed.
-    pub fn broken(&self) -> Option<&str> {
-        self.broken.as_deref()
-    }
-
-    /// How many graphs are held.
-    pub fn len(&self) -> usize {
-        self.captured.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.captured.is_empty()
-    }
 }
 
 impl Model {
@@ -125,7 +109,7 @@ impl Model {
                 self.config.vocab_size
             )));
         }
-        self.prepare_graph_tables(graphs)?;
+        self.prepare_scratch(graphs)?;
         let scratch = graphs.scratch.as_ref().expect("prepared");
         let table = self.decode_table(caches, bucket, cuda_decode::device_address(scratch)?)?;
         let mut ids = inputs.to_vec();
@@ -184,7 +168,7 @@ impl Model {
     }
 
     /// The padding rows' scratch cache, made once.
-    fn prepare_graph_tables(&self, graphs: &mut DecodeGraphs) -> Result<()> {
+    fn prepare_scratch(&self, graphs: &mut DecodeGraphs) -> Result<()> {
         if graphs.scratch.is_none() {
             let (kv, hd) = (self.config.num_key_value_heads, self.config.head_dim);
             graphs.scratch = Some(Tensor::zeros((kv, 1, hd), self.dtype, &self.device)?);
