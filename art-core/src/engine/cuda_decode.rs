@@ -159,16 +159,8 @@ pub(crate) fn rope_append(
         address(Some(sin))?,
         address(Some(&plan.table))?,
     ];
-    let ints = [
-        plan.layer_arg(layer)?,
-        int(plan.layers)?,
-        int(b)?,
-        int(heads)?,
-        int(kv_heads)?,
-        int(head_dim)?,
-        int(sq)?,
-        int(sk)?,
-    ];
+    let [l, ls, rows, h, kv, hd] = plan.kernel_ints(layer, (heads, kv_heads, head_dim))?;
+    let ints = [l, ls, rows, h, kv, hd, int(sq)?, int(sk)?];
     Ok(q.apply_op1_no_bwd(&RawLaunch {
         kernel: "rope_append",
         addresses: &addresses,
@@ -209,14 +201,7 @@ pub(crate) fn attend_cached(
     let b = plan.batch;
     let q = q.contiguous()?;
     let addresses = [device_address(&q)?, device_address(&plan.table)?];
-    let ints = [
-        plan.layer_arg(layer)?,
-        int(plan.layers)?,
-        int(b)?,
-        int(heads)?,
-        int(kv_heads)?,
-        int(head_dim)?,
-    ];
+    let ints = plan.kernel_ints(layer, (heads, kv_heads, head_dim))?;
     Ok(q.apply_op1_no_bwd(&RawLaunch {
         kernel: "attend",
         addresses: &addresses,
@@ -275,7 +260,13 @@ impl DecodePlan {
             .narrow(0, 2 * self.layers * self.batch, self.batch)?)
     }
 
-    fn layer_arg(&self, layer: usize) -> Result<i32> {
+    /// The arguments every decode kernel of one layer starts with: the layer, the layer
+    /// count, the batch, and the query heads, key/value heads and head size.
+    fn kernel_ints(
+        &self,
+        layer: usize,
+        (heads, kv_heads, head_dim): (usize, usize, usize),
+    ) -> Result<[i32; 6]> {
         if layer >= self.layers {
             return Err(candle_core::Error::Msg(format!(
                 "decode plan: layer {layer} of {}",
@@ -283,7 +274,14 @@ impl DecodePlan {
             ))
             .into());
         }
-        int(layer)
+        Ok([
+            int(layer)?,
+            int(self.layers)?,
+            int(self.batch)?,
+            int(heads)?,
+            int(kv_heads)?,
+            int(head_dim)?,
+        ])
     }
 }
 

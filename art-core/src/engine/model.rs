@@ -536,9 +536,14 @@ impl Model {
             )));
         }
         let max = input_ids.flatten_all()?.max(0)?.to_scalar::<u32>()?;
-        if max as usize >= self.config.vocab_size {
+        self.check_id(max)
+    }
+
+    /// An error naming `id` if the vocabulary has no such token.
+    fn check_id(&self, id: u32) -> Result<()> {
+        if id as usize >= self.config.vocab_size {
             return Err(EngineError::InvalidRequest(format!(
-                "token id {max} is outside the vocabulary of {} tokens",
+                "token id {id} is outside the vocabulary of {} tokens",
                 self.config.vocab_size
             )));
         }

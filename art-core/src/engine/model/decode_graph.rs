@@ -100,14 +100,8 @@ impl Model {
         if caches.iter().any(|c| c.len + 1 > cuda_decode::MAX_LEN) {
             return Ok(None);
         }
-        if let Some(&bad) = inputs
-            .iter()
-            .find(|&&t| t as usize >= self.config.vocab_size)
-        {
-            return Err(EngineError::InvalidRequest(format!(
-                "token id {bad} is outside the vocabulary of {} tokens",
-                self.config.vocab_size
-            )));
+        for &id in inputs {
+            self.check_id(id)?;
         }
         self.prepare_scratch(graphs)?;
         let scratch = graphs.scratch.as_ref().expect("prepared");

@@ -41,12 +41,12 @@ impl Model {
     ) -> Result<Tensor> {
         let rope = self.decode_rope()?;
         let x = self.embed(ids)?;
-        let x = if self.config.qk_norm {
-            self.decode_layers_composite(x, rope, plan, fwd)?
+        if self.config.qk_norm {
+            let x = self.decode_layers_composite(x, rope, plan, fwd)?;
+            self.head(&x, fwd)
         } else {
-            return self.decode_layers_fused(x, rope, plan, fwd);
-        };
-        self.head(&x, fwd)
+            self.decode_layers_fused(x, rope, plan, fwd)
+        }
     }
 
     fn decode_layers_fused(
