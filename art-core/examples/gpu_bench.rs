@@ -10,6 +10,7 @@
 //! gpu_bench decode --compare-hf     # and compiled HF (scripts/hf_decode_reference.py), ratios
 //! gpu_bench grpo --shapes qwen2.5-1.5b   # 16 prompts x 8 rollouts, shared prefill or not
 //! gpu_bench train --shapes qwen2.5-7b --batch 8 --seq 512 --iters 3
+//! gpu_bench packed --shapes qwen2.5-1.5b   # 64 sequences of 64-1024 tokens, packed or not
 //! gpu_bench parity
 //! gpu_bench profile --shapes qwen2.5-0.5b   # where a training step's time goes
 //! ```
@@ -22,7 +23,10 @@
 //! `--compare-hf` then runs the compiled Hugging Face reference for the same shape and batches
 //! in the same process call and prints ours against it. Train: forward + backward of the GRPO loss
 //! with LoRA r=8 on all seven linear layers and an AdamW step, `--batch` x `--seq` tokens.
-//! Train prints its ratio to HF transformers + peft as measured on an H200. Parity: logits,
+//! Train prints its ratio to HF transformers + peft as measured on an H200. Packed: a training
+//! step (forward and backward of every micro-batch, as the trainer plans them) over `--count`
+//! sequences of uneven lengths (`--lengths MIN-MAX`), with sequences packed into shared rows and
+//! with one padded row each, same call, same sequences. Parity: logits,
 //! greedy decoding and LoRA gradients of the same random weights on CUDA and on the CPU.
 //! `--device cpu` runs everything on the CPU (a smoke test with `--shapes tiny`).
 
@@ -31,10 +35,12 @@ use std::time::Instant;
 use art_core::engine::random::RandomModelSpec;
 use art_core::engine::{
     check_device_sampling, set_device_sampling, switches::CUDA_GRAPHS, DType, Device, Engine,
-    Forward, GenerationOutput, GenerationRequest, LoraAdapter, PeakMemory, SamplingParams, Tensor,
+    Forward, GenerationOutput, GenerationRequest, LoraAdapter, PackedBlock, PackedRows, PeakMemory,
+    SamplingParams, Tensor,
 };
 use art_core::train::{
-    micro_batch_loss, AdamW, AdamWParams, Normalization, SequenceSource, TrainSequence,
+    micro_batch_loss, one_per_row, plan_micro_batches, AdamW, AdamWParams, Normalization,
+    SequenceSource, TrainSequence,
 };
 use art_core::types::{LoraConfig, TrainConfig};
 
@@ -67,6 +73,11 @@ struct Args {
     /// `--hbm-gbs N`: the card's memory bandwidth for the fraction printed (default: 4,800 for
     /// a card with more than 100 GiB, an H200; else 3,350, an H100 SXM).
     hbm_gbs: Option<f64>,
+    /// `packed`: `--count` sequences of lengths drawn uniformly from `--lengths MIN-MAX`, in
+    /// micro-batches of `--micro-batch-tokens` positions.
+    count: usize,
+    lengths: (usize, usize),
+    micro_batch_tokens: usize,
 }
 
 fn parse_args() -> Args {
@@ -90,6 +101,9 @@ fn parse_args() -> Args {
         compare_hf: None,
         python: "python3".into(),
         hbm_gbs: None,
+        count: 64,
+        lengths: (64, 1024),
+        micro_batch_tokens: TrainConfig::default().micro_batch_tokens,
     };
     let list = |s: String| -> Vec<String> { s.split(',').map(String::from).collect() };
     let mut it = it.peekable();
@@ -118,6 +132,22 @@ fn parse_args() -> Args {
             "--iters" => args.iters = value().parse().expect("--iters N"),
             "--python" => args.python = value(),
             "--hbm-gbs" => args.hbm_gbs = Some(value().parse().expect("--hbm-gbs N")),
+            "--count" => args.count = value().parse().expect("--count N"),
+            "--lengths" => {
+                let v = value();
+                let (min, max) = v.split_once('-').expect("--lengths MIN-MAX");
+                args.lengths = (
+                    min.parse().expect("--lengths MIN-MAX"),
+                    max.parse().expect("--lengths MIN-MAX"),
+                );
+                assert!(
+                    2 <= args.lengths.0 && args.lengths.0 <= args.lengths.1,
+                    "--lengths MIN-MAX with 2 <= MIN <= MAX"
+                );
+            }
+            "--micro-batch-tokens" => {
+                args.micro_batch_tokens = value().parse().expect("--micro-batch-tokens N")
+            }
             "--checkpointing" => {
                 args.checkpointing = match value().as_str() {
                     "on" => Some(true),
@@ -465,7 +495,7 @@ fn train_step(
         engine.model(),
         Some(adapter),
         None,
-        &members,
+        &one_per_row(&members),
         norm,
         &config,
         true,
@@ -540,7 +570,105 @@ fn train(args: &Args, device: &Device) {
     }
 }
 
-/// `max |t|` over every element of an f64 tensor.
+/// `count` sequences of lengths drawn uniformly from `min..=max`, as [`sequences`] makes them.
+fn uneven_sequences(count: usize, (min, max): (usize, usize), vocab: usize) -> Vec<TrainSequence> {
+    let mut lengths = Ids(0x9e37_79b9_7f4a_7c15);
+    let mut all = sequences(count, max, vocab, None, None);
+    for seq in &mut all {
+        let len = min + lengths.next(max - min + 1) as usize;
+        seq.tokens.truncate(len);
+        seq.trainable.truncate(len);
+        seq.sampler_logprobs.truncate(len);
+        // A quarter prompt, the rest sampled, as for the even sequences.
+        for (i, t) in seq.trainable.iter_mut().enumerate() {
+            *t = i >= len / 4;
+        }
+        for (lp, &t) in seq.sampler_logprobs.iter_mut().zip(&seq.trainable) {
+            *lp = if t { -3.0 } else { f32::NAN };
+        }
+    }
+    all
+}
+
+/// Training on sequences of uneven lengths, packed into shared rows and one padded row each:
+/// the same sequences, micro-batches as the trainer plans them, forward and backward of every
+/// micro-batch (the adapter is not updated, so both see the same weights and give the same loss).
+fn packed(args: &Args, device: &Device) {
+    let baseline = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
+    for shape in &args.shapes {
+        let engine = random_engine(shape, device);
+        let config = engine.config().clone();
+        let lora = LoraConfig::default();
+        let adapter = LoraAdapter::new(&config, &lora, device, 0).expect("adapter");
+        let seqs = uneven_sequences(args.count, args.lengths, config.vocab_size);
+        let tokens: usize = seqs.iter().map(|s| s.len()).sum();
+        let mut rates = Vec::new();
+        for pack in [false, true] {
+            let train_config = TrainConfig {
+                pack_sequences: pack,
+                micro_batch_tokens: args.micro_batch_tokens,
+                gradient_checkpointing: args.checkpointing,
+                ..Default::default()
+            };
+            let plan = plan_micro_batches(&seqs, &train_config);
+            let computed: usize = plan.iter().map(|mb| mb.rows.len() * mb.width).sum();
+            let norm = Normalization::for_step(&seqs, &train_config);
+            let monitor = PeakMemory::start(device);
+            let (mut best, mut loss) = (f64::INFINITY, 0.0);
+            for iter in 0..=args.iters {
+                let t0 = Instant::now();
+                loss = 0.0;
+                for mb in &plan {
+                    let mut out = micro_batch_loss(
+                        engine.model(),
+                        Some(&adapter),
+                        None,
+                        &mb.gather(&seqs),
+                        norm,
+                        &train_config,
+                        true,
+                    )
+                    .expect("loss");
+                    loss += out
+                        .loss
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .to_scalar::<f64>()
+                        .unwrap();
+                    drop(out.backward(engine.model(), &adapter).expect("backward"));
+                }
+                device.synchronize().unwrap();
+                let dt = t0.elapsed().as_secs_f64();
+                if iter > 0 {
+                    best = best.min(dt);
+                }
+            }
+            let peak = monitor.as_ref().map_or("-".to_string(), |m| {
+                format!("{:.1} GB", gb(m.peak() - baseline.unwrap_or(0)))
+            });
+            let rate = tokens as f64 / best;
+            rates.push(rate);
+            println!(
+                "PACKED {shape} {}: {} sequences of {}-{} tokens ({tokens} in all) in {} \
+                 micro-batch(es) of {} rows; {computed} positions computed ({:.0}% padding); \
+                 {rate:.0} tok/s (best of {}); loss {loss:.6}; peak {peak}",
+                if pack { "packed" } else { "one row each" },
+                args.count,
+                args.lengths.0,
+                args.lengths.1,
+                plan.len(),
+                plan.iter().map(|mb| mb.rows.len()).sum::<usize>(),
+                100.0 * (1.0 - (tokens - seqs.len()) as f64 / computed as f64),
+                args.iters,
+            );
+        }
+        println!(
+            "PACKED {shape}: packed / one row each = {:.2}x",
+            rates[1] / rates[0]
+        );
+    }
+}
+
 /// Where a training step's time goes: the loss's forward (with its host reads), the backward
 /// as enqueued by the host and as finished on the device, the optimizer; the graph's node
 /// count; and what one small candle op costs the host (the floor under every kernel).
@@ -581,7 +709,7 @@ fn profile(args: &Args, device: &Device) {
                 engine.model(),
                 Some(&adapter),
                 None,
-                &members,
+                &one_per_row(&members),
                 norm,
                 &train_config,
                 false,
@@ -594,7 +722,7 @@ fn profile(args: &Args, device: &Device) {
                 engine.model(),
                 Some(&adapter),
                 None,
-                &members,
+                &one_per_row(&members),
                 norm,
                 &train_config,
                 true,
@@ -633,6 +761,7 @@ fn profile(args: &Args, device: &Device) {
     }
 }
 
+/// `max |t|` over every element of an f64 tensor.
 fn max_abs(t: &Tensor) -> f64 {
     t.abs()
         .unwrap()
@@ -763,6 +892,51 @@ fn parity(device: &Device) {
             if dtype == DType::F32 && same != total {
                 failures += 1;
                 println!("PARITY {name} seeded sampling f32: FAIL");
+            }
+            // A training forward with two sequences as one shared-prefix block (20 positions
+            // shared, 28 each after them) against each sequence in a row of its own, on the GPU:
+            // the packed rows' mask and positions through the fused softmax.
+            {
+                let a = &tokens[..48];
+                let b: Vec<u32> = tokens[..20].iter().chain(&tokens[68..]).copied().collect();
+                let row: Vec<u32> = a.iter().chain(&tokens[68..]).copied().collect();
+                let packing = PackedRows {
+                    rows: vec![vec![PackedBlock {
+                        prefix: 20,
+                        continuations: vec![28, 28],
+                    }]],
+                };
+                let model = gpu.model();
+                let row = Tensor::from_vec(row, (1, 76), device).unwrap();
+                let packed = model.forward_hidden(&row, Some(&packing), fwd).unwrap();
+                let packed = packed.squeeze(0).unwrap();
+                let of_b = Tensor::cat(
+                    &[
+                        packed.narrow(0, 0, 20).unwrap(),
+                        packed.narrow(0, 48, 28).unwrap(),
+                    ],
+                    0,
+                )
+                .unwrap();
+                let alone = |seq: &[u32]| {
+                    let t = Tensor::new(seq, device).unwrap().unsqueeze(0).unwrap();
+                    model
+                        .forward_hidden(&t, None, fwd)
+                        .unwrap()
+                        .squeeze(0)
+                        .unwrap()
+                };
+                let (da, ma) = diff(&packed.narrow(0, 0, 48).unwrap(), &alone(a));
+                let (db, mb) = diff(&of_b, &alone(&b));
+                check(
+                    &format!(
+                        "{name} shared-prefix training forward {dtype:?} vs rows of their own"
+                    ),
+                    da.max(db),
+                    ma.min(mb),
+                    tol,
+                    &mut failures,
+                );
             }
             // The decode step replayed from CUDA graphs against the same step launched kernel by
             // kernel: greedy and seeded sampling, on the base model and through a LoRA adapter
@@ -958,12 +1132,15 @@ fn main() {
         "parity" => parity(&device),
         "profile" => profile(&args, &device),
         "grpo" => grpo(&args, &device),
+        "packed" => packed(&args, &device),
         "all" => {
             parity(&device);
             decode(&args, &device);
             train(&args, &device);
         }
-        other => panic!("unknown command {other}: decode, grpo, train, profile, parity or all"),
+        other => {
+            panic!("unknown command {other}: decode, grpo, train, packed, profile, parity or all")
+        }
     }
 }
 

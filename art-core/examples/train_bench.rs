@@ -185,8 +185,7 @@ fn main() {
         ..Default::default()
     };
     let norm = Normalization::for_step(&sequences, &train_config);
-    let lengths: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
-    let batches = art_core::train::pack_micro_batches(&lengths, train_config.micro_batch_tokens);
+    let batches = art_core::train::plan_micro_batches(&sequences, &train_config);
     let named = adapter.named_vars();
     let tokens = args.batch * args.seq;
     println!(
@@ -222,13 +221,11 @@ fn main() {
         let t0 = Instant::now();
         let mut grads: Vec<Option<art_core::engine::Tensor>> = vec![None; named.len()];
         for mb in &batches {
-            let members: Vec<&TrainSequence> =
-                mb.sequences.iter().map(|&i| &sequences[i]).collect();
             let mut out = micro_batch_loss(
                 engine.model(),
                 Some(&adapter),
                 None,
-                &members,
+                &mb.gather(&sequences),
                 norm,
                 &train_config,
                 true,

@@ -12,11 +12,12 @@ use art_core::engine::chat_template::ChatTemplate;
 use art_core::engine::random::{RandomModelSpec, CHATML_END_ID};
 use art_core::engine::{
     Architecture, DType, Engine, GenerationRequest, LoadOptions, LoraAdapter, ModelSource,
-    SamplingParams, Tensor,
+    PackedBlock, SamplingParams, Tensor,
 };
 use art_core::train::{
-    chat_template_for, group_advantages, list_checkpoints, micro_batch_loss, pack_micro_batches,
-    prepare_batch, MicroBatchLoss, Normalization, SequenceSource, Tokenization, TrainError,
+    chat_template_for, group_advantages, list_checkpoints, micro_batch_loss, one_per_row,
+    pack_micro_batches, plan_micro_batches, prepare_batch, row_positions, shared_prefix_blocks,
+    Block, MicroBatchLoss, Normalization, RowBlock, SequenceSource, Tokenization, TrainError,
     TrainSequence, Trainer,
 };
 use art_core::types::{
@@ -213,18 +214,82 @@ fn advantages_are_group_relative_and_equal_groups_are_skipped() {
 #[test]
 fn micro_batches_respect_the_token_budget() {
     let lengths = [10, 50, 20, 30, 40, 200];
-    let batches = pack_micro_batches(&lengths, 100);
-    // Every sequence in exactly one batch.
-    let mut all: Vec<usize> = batches.iter().flat_map(|b| b.sequences.clone()).collect();
-    all.sort();
-    assert_eq!(all, vec![0, 1, 2, 3, 4, 5]);
-    for b in &batches {
-        let max = b.sequences.iter().map(|&i| lengths[i]).max().unwrap();
-        assert_eq!(b.max_len, max);
-        // Over budget only when a single sequence is longer than it.
-        assert!(b.sequences.len() * b.max_len <= 100 || b.sequences.len() == 1);
+    let ids =
+        |row: &Vec<Block>| -> Vec<usize> { row.iter().flat_map(|b| b.sequences.clone()).collect() };
+    for row_width in [None, Some(60)] {
+        let batches = pack_micro_batches(&lengths, 100, row_width);
+        // Every sequence in exactly one row.
+        let mut all: Vec<usize> = batches.iter().flat_map(|b| b.sequences()).collect();
+        all.sort();
+        assert_eq!(all, vec![0, 1, 2, 3, 4, 5]);
+        for b in &batches {
+            let used = |row: &Vec<Block>| ids(row).iter().map(|&i| lengths[i]).sum::<usize>();
+            assert_eq!(b.width, b.rows.iter().map(used).max().unwrap());
+            // Over budget only when a single row is longer than it.
+            assert!(b.rows.len() * b.width <= 100 || b.rows.len() == 1);
+            for row in &b.rows {
+                // A row holds several sequences only when they fit its width.
+                assert!(row.len() == 1 || row_width.is_some_and(|w| used(row) <= w));
+            }
+        }
+        assert_eq!(ids(&batches[0].rows[0]), vec![5]);
     }
-    assert_eq!(batches[0].sequences, vec![5]);
+    // Packed into rows of 60: [50, 10], [40, 20], [30]; two rows of 60 fit a budget of 120.
+    let packed = pack_micro_batches(&lengths, 120, Some(60));
+    let rows: Vec<Vec<usize>> = packed.iter().flat_map(|b| b.rows.iter().map(ids)).collect();
+    assert_eq!(rows, vec![vec![5], vec![1, 0], vec![4, 2], vec![3]]);
+    assert_eq!(packed.len(), 3);
+}
+
+#[test]
+fn group_prompts_are_shared_where_it_saves_work() {
+    // Eight rollouts of one 50-token prompt with 10-token answers: one block of 130 positions
+    // instead of 8 x 60 (attention 130^2 < 8 x 60^2). Eight with 1000-token answers: a block of
+    // two would cost more attention than two rows (2050^2 > 2 x 1050^2): eight blocks. A
+    // sequence of no group, and one that begins differently, stay alone.
+    let prompt: Vec<u32> = (100..150).collect();
+    let sequence = |group: Option<usize>, start: &[u32], answer: usize, k: usize| {
+        let mut tokens = start.to_vec();
+        tokens.extend((0..answer as u32).map(|t| 1000 + 10 * t + k as u32));
+        let n = tokens.len();
+        TrainSequence {
+            trainable: (0..n).map(|i| i >= start.len()).collect(),
+            sampler_logprobs: vec![-1.0; n],
+            tokens,
+            advantage: 1.0,
+            source: SequenceSource {
+                group,
+                trajectory: k,
+                history: None,
+            },
+        }
+    };
+    let mut short: Vec<TrainSequence> = (0..8).map(|k| sequence(Some(0), &prompt, 11, k)).collect();
+    short.push(sequence(None, &prompt, 11, 8));
+    short.push(sequence(Some(0), &[7; 50], 11, 9));
+    let blocks = shared_prefix_blocks(&short, 4096);
+    assert_eq!(blocks.len(), 3);
+    let shared = blocks.iter().find(|b| b.sequences.len() > 1).unwrap();
+    assert_eq!(shared.sequences, (0..8).collect::<Vec<_>>());
+    assert_eq!((shared.prefix, shared.len), (50, 50 + 8 * 10));
+    let long: Vec<TrainSequence> = (0..8)
+        .map(|k| sequence(Some(0), &prompt, 1001, k))
+        .collect();
+    let blocks = shared_prefix_blocks(&long, 1 << 20);
+    assert_eq!(blocks.len(), 8);
+    assert!(blocks
+        .iter()
+        .all(|b| b.sequences.len() == 1 && b.len == 1050));
+    // The trainer's plan: with sharing, one row of 130; without, 8 rows of 60.
+    let config = TrainConfig::default();
+    let plan = plan_micro_batches(&short[..8], &config);
+    assert_eq!((plan.len(), plan[0].rows.len(), plan[0].width), (1, 1, 130));
+    let apart = TrainConfig {
+        share_prefixes: false,
+        ..config
+    };
+    let plan = plan_micro_batches(&short[..8], &apart);
+    assert_eq!((plan[0].rows.len(), plan[0].width), (8, 60));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -479,12 +544,21 @@ fn histories_share_their_trajectory_advantage_and_equal_groups_are_dropped() {
 /// Sequences with sampler logprobs near the model's own (so that most ratios are inside the
 /// clip range and a few are outside).
 fn loss_fixture(engine: &Engine, adapter: &LoraAdapter) -> Vec<TrainSequence> {
-    let tok = Tokenization::new(engine, chat_template_for(engine).unwrap());
     let texts = [
         ("what is two plus two", "four, I think", 1.0),
         ("name a color", "the sky is blue", -0.7),
         ("say hi", "hi there", 0.3),
     ];
+    loss_fixture_of(engine, adapter, texts)
+}
+
+/// [`loss_fixture`] of other `(question, answer, advantage)`s.
+fn loss_fixture_of(
+    engine: &Engine,
+    adapter: &LoraAdapter,
+    texts: [(&str, &str, f64); 3],
+) -> Vec<TrainSequence> {
+    let tok = Tokenization::new(engine, chat_template_for(engine).unwrap());
     let mut out = Vec::new();
     for (k, (q, a, adv)) in texts.into_iter().enumerate() {
         let items = vec![
@@ -586,7 +660,7 @@ fn lora_gradients_match_finite_differences() {
             engine.model(),
             Some(&adapter),
             None,
-            &refs,
+            &one_per_row(&refs),
             norm,
             config,
             true,
@@ -623,7 +697,7 @@ fn lora_gradients_match_finite_differences() {
                 engine.model(),
                 Some(&adapter),
                 None,
-                &refs,
+                &one_per_row(&refs),
                 norm,
                 config,
                 false,
@@ -694,7 +768,7 @@ fn loss_gradients(
         engine.model(),
         Some(adapter),
         None,
-        &refs,
+        &one_per_row(&refs),
         norm,
         config,
         true,
@@ -763,6 +837,213 @@ fn unclipped(loss_fn: LossFn) -> TrainConfig {
 }
 
 #[test]
+fn packed_rows_give_the_loss_and_gradients_of_a_row_each() {
+    // Two sequences in one row (the second counting its positions from 0 and attending only to
+    // itself) and the third alone; and three answers to one question as one block, the
+    // question's positions computed once. Each must give what three rows of one sequence each
+    // give: the loss, every token's logprob and the gradients, with the whole graph kept and
+    // with checkpointing, with sequence-level ratios (tokens grouped by sequence across rows)
+    // and a KL term (the reference model's forward laid out the same way). ~1 s, f64 tiny model.
+    let (_dir, engine, adapter, sequences) = f64_loss_fixture();
+    fn alone(s: &TrainSequence) -> RowBlock<'_> {
+        RowBlock {
+            sequences: vec![s],
+            prefix: row_positions(s),
+        }
+    }
+    let answers = loss_fixture_of(
+        &engine,
+        &adapter,
+        [
+            ("what is two plus two", "four, I think", 1.0),
+            ("what is two plus two", "the sky is blue", -0.7),
+            ("what is two plus two", "five", 0.3),
+        ],
+    );
+    let blocks = shared_prefix_blocks(&answers, 4096);
+    assert_eq!(blocks.len(), 1, "one block: {blocks:?}");
+    let prefix = blocks[0].prefix;
+    assert!(prefix >= 8, "the question is shared: {prefix} positions");
+    type Layout<'a> = Vec<Vec<RowBlock<'a>>>;
+    let cases: Vec<(&str, &[TrainSequence], Layout)> = vec![
+        (
+            "packed",
+            &sequences,
+            vec![
+                vec![alone(&sequences[0]), alone(&sequences[1])],
+                vec![alone(&sequences[2])],
+            ],
+        ),
+        (
+            "shared prefix",
+            &answers,
+            vec![vec![RowBlock {
+                sequences: answers.iter().collect(),
+                prefix,
+            }]],
+        ),
+    ];
+    for (name, sequences, layout) in &cases {
+        let refs: Vec<&TrainSequence> = sequences.iter().collect();
+        for checkpointing in [false, true] {
+            let config = TrainConfig {
+                importance_sampling_level: ImportanceSamplingLevel::Sequence,
+                beta: 0.2,
+                gradient_checkpointing: Some(checkpointing),
+                ..Default::default()
+            };
+            let norm = Normalization::for_step(sequences, &config);
+            let run = |rows: &[Vec<RowBlock>]| {
+                let mut out = micro_batch_loss(
+                    engine.model(),
+                    Some(&adapter),
+                    None,
+                    rows,
+                    norm,
+                    &config,
+                    true,
+                )
+                .unwrap();
+                let grads = out.backward(engine.model(), &adapter).unwrap();
+                let flat: Vec<f32> = adapter
+                    .named_vars()
+                    .iter()
+                    .flat_map(|(_, var)| {
+                        let g = grads.get(var.as_tensor()).expect("a gradient");
+                        g.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                    })
+                    .collect();
+                (flat, out)
+            };
+            let (apart, a) = run(&one_per_row(&refs));
+            let (together, b) = run(layout);
+            let what = format!("{name} vs one per row (checkpointing {checkpointing})");
+            let (la, lb) = (
+                a.loss.to_scalar::<f64>().unwrap(),
+                b.loss.to_scalar::<f64>().unwrap(),
+            );
+            assert!(
+                (la - lb).abs() <= 1e-9 * la.abs(),
+                "{what}: loss {la} vs {lb}"
+            );
+            assert_eq!(a.kl.is_some(), b.kl.is_some());
+            assert_eq!(a.trainer_logprobs.len(), b.trainer_logprobs.len());
+            for (x, y) in a.trainer_logprobs.iter().zip(&b.trainer_logprobs) {
+                assert!((x - y).abs() <= 1e-6, "{what}: logprob {x} vs {y}");
+            }
+            assert_close(&apart, &together, &what);
+        }
+    }
+}
+
+#[test]
+fn packed_rows_forward_as_rows_of_their_own() {
+    // The model's packed forward on every path that reads the packing: the fused CPU kernels
+    // (f32) and candle's composite ops (bf16 on the CPU, the path of devices without the fused
+    // kernels), for a model with q/k norms (Qwen3) and one with q/k/v biases (Qwen2). Each
+    // sequence's hidden states must be those of a row of its own. ~1 s.
+    for (arch, dtype, tolerance) in [
+        (Architecture::Qwen3, DType::F32, 1e-5),
+        (Architecture::Qwen2, DType::F32, 1e-5),
+        (Architecture::Qwen3, DType::BF16, 0.05),
+    ] {
+        let (_dir, engine) = tiny_engine(arch, Some(dtype));
+        let model = engine.model();
+        let device = engine.device();
+        let sequences: [&[u32]; 3] = [&[5, 9, 13, 2, 7], &[3, 4, 11], &[8, 1, 6, 10]];
+        let fwd = art_core::engine::Forward::default();
+        // Row 0: sequences 0 and 1 one after another, then padding; row 1: sequence 2.
+        let width = 10;
+        let mut input = vec![0u32; 2 * width];
+        input[..5].copy_from_slice(sequences[0]);
+        input[5..8].copy_from_slice(sequences[1]);
+        input[width..width + 4].copy_from_slice(sequences[2]);
+        let packing = art_core::engine::PackedRows {
+            rows: vec![
+                vec![PackedBlock::alone(5), PackedBlock::alone(3)],
+                vec![PackedBlock::alone(4)],
+            ],
+        };
+        let input = Tensor::from_vec(input, (2, width), device).unwrap();
+        let packed = model.forward_hidden(&input, Some(&packing), fwd).unwrap();
+        let at = |row: usize, start: usize, len: usize| {
+            packed.get(row).unwrap().narrow(0, start, len).unwrap()
+        };
+        for (seq, got) in sequences
+            .iter()
+            .zip([at(0, 0, 5), at(0, 5, 3), at(1, 0, 4)])
+        {
+            let alone = Tensor::new(*seq, device).unwrap().unsqueeze(0).unwrap();
+            let want = model
+                .forward_hidden(&alone, None, fwd)
+                .unwrap()
+                .squeeze(0)
+                .unwrap();
+            let diff = (got.to_dtype(DType::F32).unwrap() - want.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                diff <= tolerance,
+                "{arch:?} {dtype:?}: {seq:?} differs by {diff}"
+            );
+        }
+        // A packing that does not fit its rows is an error, not a wrong answer.
+        let wrong = art_core::engine::PackedRows {
+            rows: vec![
+                vec![PackedBlock::alone(8), PackedBlock::alone(3)],
+                vec![PackedBlock::alone(4)],
+            ],
+        };
+        let err = model.forward_hidden(&input, Some(&wrong), fwd).unwrap_err();
+        assert!(err.to_string().contains("do not fit"), "{err}");
+        // A shared prefix: [5, 9, 13] then [2, 7] and [4], which continue it from position 3.
+        let input = Tensor::new(&[[5u32, 9, 13, 2, 7, 4, 0, 0]], device).unwrap();
+        let shared = art_core::engine::PackedRows {
+            rows: vec![vec![PackedBlock {
+                prefix: 3,
+                continuations: vec![2, 1],
+            }]],
+        };
+        let packed = model.forward_hidden(&input, Some(&shared), fwd).unwrap();
+        let row = packed.get(0).unwrap();
+        let first = Tensor::cat(&[row.narrow(0, 0, 5).unwrap()], 0).unwrap();
+        let second = Tensor::cat(
+            &[row.narrow(0, 0, 3).unwrap(), row.narrow(0, 5, 1).unwrap()],
+            0,
+        )
+        .unwrap();
+        for (seq, got) in [
+            (&[5u32, 9, 13, 2, 7][..], first),
+            (&[5, 9, 13, 4][..], second),
+        ] {
+            let alone = Tensor::new(seq, device).unwrap().unsqueeze(0).unwrap();
+            let want = model
+                .forward_hidden(&alone, None, fwd)
+                .unwrap()
+                .squeeze(0)
+                .unwrap();
+            let diff = (got.to_dtype(DType::F32).unwrap() - want.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(
+                diff <= tolerance,
+                "{arch:?} {dtype:?}: shared {seq:?} differs by {diff}"
+            );
+        }
+    }
+}
+
+#[test]
 fn cispo_weighs_each_tokens_logprob_by_its_clipped_ratio() {
     // CISPO's gradient is sum(w * -A * clip(r) * grad log p): where nothing is clipped it is
     // PPO's, and elsewhere unclipped PPO's at the clipped ratios.
@@ -803,7 +1084,7 @@ fn options_that_reweigh_tokens_by_detached_values_match_their_ppo_equivalents() 
         engine.model(),
         None,
         None,
-        &refs,
+        &one_per_row(&refs),
         norm,
         &TrainConfig::default(),
         false,
@@ -889,7 +1170,7 @@ fn the_loss_is_minus_the_weighted_advantage_at_ratio_one() {
         engine.model(),
         Some(&adapter),
         None,
-        &refs,
+        &one_per_row(&refs),
         norm,
         &config,
         false,
@@ -921,7 +1202,7 @@ fn the_loss_is_minus_the_weighted_advantage_at_ratio_one() {
         engine.model(),
         Some(&adapter),
         None,
-        &refs[..1],
+        &one_per_row(&refs[..1]),
         norm,
         &config,
         false,
@@ -931,7 +1212,7 @@ fn the_loss_is_minus_the_weighted_advantage_at_ratio_one() {
         engine.model(),
         Some(&adapter),
         None,
-        &refs[1..],
+        &one_per_row(&refs[1..]),
         norm,
         &config,
         false,
@@ -1002,7 +1283,7 @@ fn trainer_logprobs_equal_the_samplers() {
         engine.model(),
         Some(trainer.adapter()),
         None,
-        &refs,
+        &one_per_row(&refs),
         norm,
         &config,
         false,
@@ -1037,7 +1318,11 @@ fn a_step_checkpoints_serves_and_reports_progress() {
     assert!(engine.adapter("m@0").is_some() && engine.adapter("m").is_some());
     let mut groups = Vec::new();
     for (k, messages) in toy_prompts().iter().enumerate() {
-        let mut ts = rollouts(&engine, messages, Some("m"), 3, 5, k as u64);
+        // Rollouts of 5, 4 and 3 tokens: the tiny model's samples are alike, and the rollouts
+        // of a group must differ for its advantages (which sum to 0) to leave a gradient.
+        let mut ts: Vec<Trajectory> = (0..3)
+            .flat_map(|i| rollouts(&engine, messages, Some("m"), 1, 5 - i, k as u64))
+            .collect();
         for (i, t) in ts.iter_mut().enumerate() {
             t.reward = (i == 0) as u8 as f64;
         }
@@ -1081,7 +1366,10 @@ fn a_step_checkpoints_serves_and_reports_progress() {
         m.num_trainable_tokens
     );
     assert!((progress.last().unwrap().loss - m.loss).abs() < 1e-9);
-    assert!(m.grad_norm > 0.0 && m.entropy > 0.0 && m.tokens_per_second > 0.0);
+    assert!(
+        m.grad_norm > 0.0 && m.entropy > 0.0 && m.tokens_per_second > 0.0,
+        "{m:?}"
+    );
     assert!(m.kl.is_none());
     assert!(m.to_map().contains_key("grad_norm"));
 

@@ -63,7 +63,7 @@ pub use gpu::{cuda_device, gpu_memory, PeakMemory};
 pub use linear::Linear;
 pub use load::{load, LoadOptions, LoadedModel, ModelSource};
 pub use lora::{LoraAdapter, LoraPair, Proj};
-pub use model::{log_softmax, Forward, KvCache, LayerInputs, Model};
+pub use model::{log_softmax, Forward, KvCache, LayerInputs, Model, PackedBlock, PackedRows};
 pub use ops::set_fused_ops;
 pub use sampler::{SampledToken, Sampler, SamplingParams};
 pub use scheduler::{

@@ -28,10 +28,13 @@ mod backward;
 mod decode_graph;
 mod decode_step;
 mod kv_cache;
+mod packing;
 mod training;
 
 pub use decode_graph::DecodeGraphs;
 pub use kv_cache::KvCache;
+use packing::Segments;
+pub use packing::{PackedBlock, PackedRows};
 
 /// How to run one forward pass.
 #[derive(Debug, Clone, Copy, Default)]
@@ -122,11 +125,13 @@ struct Rotary {
     inv_freq: Vec<f32>,
 }
 
-/// `cos` and `sin` for the positions of one forward: `[B, L, head_dim/2]`.
+/// `cos` and `sin` for the positions of one forward: `[B, L, head_dim/2]`; for rows packed with
+/// several sequences, also what each query may attend to.
 #[derive(Debug, Clone)]
 struct RopeTables {
     cos: Tensor,
     sin: Tensor,
+    segments: Option<Segments>,
 }
 
 impl Rotary {
@@ -138,30 +143,41 @@ impl Rotary {
         Rotary { inv_freq }
     }
 
-    /// `positions[b]` is the first position of row `b`; each row has `len` positions.
+    /// `starts[b]` is the first position of row `b`; each row has `len` positions.
     fn tables(
         &self,
-        positions: &[usize],
+        starts: &[usize],
         len: usize,
         dtype: DType,
         device: &Device,
     ) -> Result<RopeTables> {
+        let positions: Vec<usize> = starts.iter().flat_map(|&s| s..s + len).collect();
+        self.tables_at(&positions, (starts.len(), len), dtype, device)
+    }
+
+    /// The tables of `positions`, one per position of rows `[B, L]`, row after row.
+    fn tables_at(
+        &self,
+        positions: &[usize],
+        shape: (usize, usize),
+        dtype: DType,
+        device: &Device,
+    ) -> Result<RopeTables> {
         let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(positions.len() * len * half);
+        let mut cos = Vec::with_capacity(positions.len() * half);
         let mut sin = Vec::with_capacity(cos.capacity());
-        for &start in positions {
-            for p in start..start + len {
-                for &f in &self.inv_freq {
-                    let angle = p as f32 * f;
-                    cos.push(angle.cos());
-                    sin.push(angle.sin());
-                }
+        for &p in positions {
+            for &f in &self.inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
             }
         }
-        let shape = (positions.len(), len, half);
+        let shape = (shape.0, shape.1, half);
         Ok(RopeTables {
             cos: Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?,
             sin: Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?,
+            segments: None,
         })
     }
 }
@@ -187,7 +203,8 @@ impl RopeTables {
     }
 }
 
-/// Additive causal mask `[L, offset + L]`: query `l` sees keys `0..=offset + l`.
+/// Additive causal mask `[1, 1, 1, L, offset + L]` (for [`add_mask`]): query `l` sees keys
+/// `0..=offset + l`.
 fn causal_mask(len: usize, offset: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let total = offset + len;
     let mask: Vec<f32> = (0..len)
@@ -201,7 +218,27 @@ fn causal_mask(len: usize, offset: usize, dtype: DType, device: &Device) -> Resu
             })
         })
         .collect();
-    Ok(Tensor::from_vec(mask, (len, total), device)?.to_dtype(dtype)?)
+    Ok(Tensor::from_vec(mask, (1, 1, 1, len, total), device)?.to_dtype(dtype)?)
+}
+
+/// `scores` `[B, kv, rep * L, T]` (the `rep` query heads sharing a key head stacked) plus an
+/// additive `mask` `[B or 1, 1, 1, L, T]`, the same for every head.
+fn add_mask(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let (b, kv, rows, t) = scores.dims4()?;
+    let l = mask.dim(3)?;
+    let masked = scores
+        .reshape((b, kv, rows / l, l, t))?
+        .broadcast_add(mask)?;
+    Ok(masked.reshape((b, kv, rows, t))?)
+}
+
+/// The fused causal softmax of training scores `[B, kv, rep * L, L]` (rows from position 0),
+/// within each packed sequence where `rope` says rows are packed.
+fn causal_probs(scores: &Tensor, l: usize, rope: &RopeTables) -> Result<Tensor> {
+    Ok(match &rope.segments {
+        Some(segments) => ops::causal_softmax(&add_mask(scores, &segments.mask)?, l, 0)?,
+        None => ops::causal_softmax(scores, l, 0)?,
+    })
 }
 
 #[derive(Debug, Clone)]
@@ -253,13 +290,16 @@ impl Attention {
             (_, Some(plan)) => cuda_decode::attend(plan, self.layer, &q, &k, &v)?,
             // Whole sequences from position 0 (training, reference passes): the fused causal
             // softmax, with its backward, and no mask to build.
-            (None, _) if ops::supported(&q) => self.attend_causal(&q, &k, &v)?,
-            (None, _) => {
-                let mask = (l > 1)
-                    .then(|| causal_mask(l, 0, q.dtype(), q.device()))
-                    .transpose()?;
-                self.attend(&q, &k, &v, mask.as_ref())?
-            }
+            (None, _) if ops::supported(&q) => self.attend_causal(&q, &k, &v, rope)?,
+            (None, _) => match &rope.segments {
+                Some(segments) => self.attend(&q, &k, &v, Some(&segments.mask))?,
+                None => {
+                    let mask = (l > 1)
+                        .then(|| causal_mask(l, 0, q.dtype(), q.device()))
+                        .transpose()?;
+                    self.attend(&q, &k, &v, mask.as_ref())?
+                }
+            },
             (Some(caches), None) => {
                 // Each sequence's new keys and values go into its cache; then attention over
                 // everything cached.
@@ -297,31 +337,30 @@ impl Attention {
 
     /// [`Attention::attend`] for sequences that start at position 0, with the causal mask and
     /// the softmax in one fused kernel (and its backward): the training path.
-    fn attend_causal(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    fn attend_causal(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rope: &RopeTables,
+    ) -> Result<Tensor> {
         let (b, h, l, hd) = q.dims4()?;
         let kv = self.num_kv_heads;
         let q = q.reshape((b, kv, (h / kv) * l, hd))?;
-        let scores = q.matmul(&k.t()?)?;
-        let probs = ops::causal_softmax(&scores, l, 0)?;
+        let probs = causal_probs(&q.matmul(&k.t()?)?, l, rope)?;
         Ok(probs.matmul(&v.contiguous()?)?.reshape((b, h, l, hd))?)
     }
 
     /// Grouped-query attention without copying keys per head: the `n_rep` query heads sharing a
     /// key/value head are stacked along the query axis. `q`: `[B, H, L, hd]` (pre-scaled),
-    /// `k`, `v`: `[B, kv, T, hd]`, `mask`: `[L, T]` additive.
+    /// `k`, `v`: `[B, kv, T, hd]`, `mask`: additive, as [`add_mask`] takes it.
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
         let (b, h, l, hd) = q.dims4()?;
         let kv = self.num_kv_heads;
-        let n_rep = h / kv;
-        let q = q.reshape((b, kv, n_rep * l, hd))?;
+        let q = q.reshape((b, kv, (h / kv) * l, hd))?;
         let mut scores = q.matmul(&k.t()?)?;
         if let Some(mask) = mask {
-            let t = mask.dim(1)?;
-            let mask = mask
-                .unsqueeze(0)?
-                .repeat((n_rep, 1, 1))?
-                .reshape((n_rep * l, t))?;
-            scores = scores.broadcast_add(&mask)?;
+            scores = add_mask(&scores, mask)?;
         }
         let probs = if scores.track_op() {
             candle_nn::ops::softmax(&scores, D::Minus1)?
@@ -560,15 +599,21 @@ impl Model {
     /// position 0. Rows may be right-padded: a causal model's outputs at real positions do not
     /// depend on later padding.
     pub fn forward_full(&self, input_ids: &Tensor, fwd: Forward) -> Result<Tensor> {
-        let x = self.forward_layers(input_ids, &fwd)?;
+        let x = self.forward_layers(input_ids, None, &fwd)?;
         self.head(&x, &fwd)
     }
 
     /// The final hidden states `[B, L, hidden]` (after the last norm, in the model's dtype) for
     /// sequences that start at position 0, as [`Model::forward_full`] computes them before the
-    /// language-model head. A trainer applies [`Model::logits`] to the positions it needs only.
-    pub fn forward_hidden(&self, input_ids: &Tensor, fwd: Forward) -> Result<Tensor> {
-        let x = self.forward_layers(input_ids, &fwd)?;
+    /// language-model head, or for the sequences `packing` puts one after another in each row.
+    /// A trainer applies [`Model::logits`] to the positions it needs only.
+    pub fn forward_hidden(
+        &self,
+        input_ids: &Tensor,
+        packing: Option<&PackedRows>,
+        fwd: Forward,
+    ) -> Result<Tensor> {
+        let x = self.forward_layers(input_ids, packing, &fwd)?;
         self.norm.forward(&x)
     }
 
@@ -578,12 +623,14 @@ impl Model {
         self.lm_head.forward(hidden, fwd.quantized, None, 0.0)
     }
 
-    fn forward_layers(&self, input_ids: &Tensor, fwd: &Forward) -> Result<Tensor> {
+    fn forward_layers(
+        &self,
+        input_ids: &Tensor,
+        packing: Option<&PackedRows>,
+        fwd: &Forward,
+    ) -> Result<Tensor> {
         self.check_ids(input_ids)?;
-        let (b, l) = input_ids.dims2()?;
-        let rope = self
-            .rotary
-            .tables(&vec![0; b], l, self.dtype, &self.device)?;
+        let rope = self.row_tables(input_ids.dims2()?, packing)?;
         let mut x = self.embed(input_ids)?;
         for layer in &self.layers {
             x = layer.forward(&x, &rope, None, None, fwd)?;

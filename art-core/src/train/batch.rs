@@ -8,7 +8,7 @@ use crate::engine::tool_calls::conversation_for_template;
 use crate::engine::Engine;
 use crate::types::{
     AssistantTurns, ChatCompletionsExchange, Choice, Message, MessageOrChoice, SftConfig, Tool,
-    Trajectory, TrajectoryGroup,
+    TrainConfig, Trajectory, TrajectoryGroup,
 };
 
 use super::error::{Result, SequenceSource, TrainError};
@@ -503,28 +503,241 @@ pub fn prepare_batch(
     Ok(out)
 }
 
-/// Sequences (by index) that are run together in one forward/backward, right-padded to the
-/// longest.
+/// Sequences (by index into a step's list) laid out as one block of a row: their first `prefix`
+/// input positions, the same tokens in all of them, computed once, then each one's remaining
+/// inputs, each reading the prefix and itself. A lone sequence is a block of one.
 #[derive(Debug, Clone, PartialEq)]
-pub struct MicroBatch {
+pub struct Block {
     pub sequences: Vec<usize>,
-    /// Length of the longest sequence; the batch computes `sequences.len() * max_len` positions.
-    pub max_len: usize,
+    pub prefix: usize,
+    /// The positions the block takes in its row.
+    pub len: usize,
 }
 
-/// Packs sequences into micro-batches of at most `max_tokens` padded tokens (a sequence longer
-/// than that gets a micro-batch of its own). Longest first, so that lengths within a batch are
-/// close and little is padding.
-pub fn pack_micro_batches(lengths: &[usize], max_tokens: usize) -> Vec<MicroBatch> {
-    let mut order: Vec<usize> = (0..lengths.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+impl Block {
+    fn alone(index: usize, positions: usize) -> Self {
+        Block {
+            sequences: vec![index],
+            prefix: positions,
+            len: positions,
+        }
+    }
+}
+
+/// The sequences of one block, for [`micro_batch_loss`].
+///
+/// [`micro_batch_loss`]: super::micro_batch_loss
+#[derive(Debug, Clone)]
+pub struct RowBlock<'a> {
+    pub sequences: Vec<&'a TrainSequence>,
+    /// Input positions shared by all of them (at most [`row_positions`] of each, and their
+    /// tokens there equal).
+    pub prefix: usize,
+}
+
+/// One forward/backward's worth of a step: `rows[r]` are the blocks laid out one after another
+/// in row `r` (one lone sequence each without packing), every row right-padded to the fullest.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MicroBatch {
+    pub rows: Vec<Vec<Block>>,
+    /// Positions of the fullest row; the batch computes `rows.len() * width` positions.
+    pub width: usize,
+}
+
+impl MicroBatch {
+    /// The rows' blocks with their sequences taken from `sequences`, the step's list.
+    pub fn gather<'a>(&self, sequences: &'a [TrainSequence]) -> Vec<Vec<RowBlock<'a>>> {
+        self.rows
+            .iter()
+            .map(|row| {
+                row.iter()
+                    .map(|block| RowBlock {
+                        sequences: block.sequences.iter().map(|&i| &sequences[i]).collect(),
+                        prefix: block.prefix,
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The step's sequences in this micro-batch.
+    pub fn sequences(&self) -> impl Iterator<Item = usize> + '_ {
+        self.rows
+            .iter()
+            .flatten()
+            .flat_map(|block| block.sequences.iter().copied())
+    }
+}
+
+/// `batch` as rows of one lone sequence each (no packing), for [`micro_batch_loss`].
+///
+/// [`micro_batch_loss`]: super::micro_batch_loss
+pub fn one_per_row<'a>(batch: &[&'a TrainSequence]) -> Vec<Vec<RowBlock<'a>>> {
+    batch
+        .iter()
+        .map(|&s| {
+            vec![RowBlock {
+                sequences: vec![s],
+                prefix: row_positions(s),
+            }]
+        })
+        .collect()
+}
+
+/// The positions a sequence takes in a row: its tokens but the last, which is only a target.
+pub fn row_positions(sequence: &TrainSequence) -> usize {
+    sequence.len().saturating_sub(1).max(1)
+}
+
+/// The micro-batches of a step's `sequences` under `config`'s token budget: with
+/// `share_prefixes`, the sequences of a group that begin alike as blocks (see
+/// [`shared_prefix_blocks`]); with `pack_sequences`, blocks sharing rows of
+/// `packed_sequence_length` positions (by default the longest block's).
+pub fn plan_micro_batches(sequences: &[TrainSequence], config: &TrainConfig) -> Vec<MicroBatch> {
+    let blocks = if config.share_prefixes {
+        shared_prefix_blocks(sequences, config.micro_batch_tokens)
+    } else {
+        (0..sequences.len())
+            .map(|i| Block::alone(i, row_positions(&sequences[i])))
+            .collect()
+    };
+    let row_width = config.pack_sequences.then(|| {
+        config
+            .packed_sequence_length
+            .unwrap_or_else(|| blocks.iter().map(|b| b.len).max().unwrap_or(1))
+    });
+    pack_blocks(blocks, config.micro_batch_tokens, row_width)
+}
+
+/// Prefixes shorter than this are not shared: the saving would not pay for the mask.
+const MIN_SHARED_PREFIX: usize = 8;
+
+/// The sequences of each group (by [`SequenceSource::group`]) as blocks over their common
+/// prefix. A block takes another member while that costs no more attention than running it
+/// apart (the block's squared length at most the sum of its members' squared lengths, since a
+/// packed row computes every query against every key of the row) and fits `max_tokens`; the
+/// projections, most of the work, always get cheaper. Members that begin differently, and
+/// sequences of no group, are blocks of their own.
+pub fn shared_prefix_blocks(sequences: &[TrainSequence], max_tokens: usize) -> Vec<Block> {
+    let positions: Vec<usize> = sequences.iter().map(row_positions).collect();
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut blocks = Vec::new();
+    for (i, seq) in sequences.iter().enumerate() {
+        let Some(g) = seq.source.group else {
+            blocks.push(Block::alone(i, positions[i]));
+            continue;
+        };
+        match groups
+            .iter_mut()
+            .find(|members| sequences[members[0]].source.group == Some(g))
+        {
+            Some(members) => members.push(i),
+            None => groups.push(vec![i]),
+        }
+    }
+    for members in groups {
+        // The prefix each member shares with the group's first; a member that shares too little
+        // stays alone, the others share the shortest of theirs.
+        let first = &sequences[members[0]].tokens;
+        let common = |i: usize| {
+            let same = first
+                .iter()
+                .zip(&sequences[i].tokens)
+                .take_while(|(a, b)| a == b)
+                .count();
+            same.min(positions[i])
+        };
+        let (members, apart): (Vec<usize>, Vec<usize>) = members
+            .into_iter()
+            .partition(|&i| common(i) >= MIN_SHARED_PREFIX);
+        blocks.extend(apart.iter().map(|&i| Block::alone(i, positions[i])));
+        let prefix = members.iter().map(|&i| common(i)).min().unwrap_or(0);
+        if members.len() < 2 {
+            blocks.extend(members.iter().map(|&i| Block::alone(i, positions[i])));
+            continue;
+        }
+        // Longest continuations first, each into the first block where it is worth it.
+        let mut order = members;
+        order.sort_by_key(|&i| std::cmp::Reverse(positions[i]));
+        // (block, sum of its members' squared lengths)
+        let mut open: Vec<(Block, usize)> = Vec::new();
+        for i in order {
+            let own = positions[i] - prefix;
+            let fits = |(block, apart): &&mut (Block, usize)| {
+                let len = block.len + own;
+                len <= max_tokens && len * len <= apart + positions[i] * positions[i]
+            };
+            match open.iter_mut().find(|b| fits(b)) {
+                Some((block, apart)) => {
+                    block.sequences.push(i);
+                    block.len += own;
+                    *apart += positions[i] * positions[i];
+                }
+                None => open.push((
+                    Block {
+                        sequences: vec![i],
+                        prefix,
+                        len: positions[i],
+                    },
+                    positions[i] * positions[i],
+                )),
+            }
+        }
+        blocks.extend(open.into_iter().map(|(block, _)| block));
+    }
+    blocks
+}
+
+/// Lone sequences of `lengths` positions into micro-batches (see [`pack_blocks`]).
+pub fn pack_micro_batches(
+    lengths: &[usize],
+    max_tokens: usize,
+    row_width: Option<usize>,
+) -> Vec<MicroBatch> {
+    let blocks = lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| Block::alone(i, len))
+        .collect();
+    pack_blocks(blocks, max_tokens, row_width)
+}
+
+/// Puts blocks into rows, and rows into micro-batches of at most `max_tokens` positions, padding
+/// included (a row longer than that gets a micro-batch of its own). With `row_width`, blocks
+/// share rows of that many positions (first fit, longest first; a longer block has a row of its
+/// own); without, each has a row of its own. Rows go fullest first, so that widths within a
+/// micro-batch are close and little is padding.
+fn pack_blocks(
+    mut blocks: Vec<Block>,
+    max_tokens: usize,
+    row_width: Option<usize>,
+) -> Vec<MicroBatch> {
+    blocks.sort_by_key(|b| std::cmp::Reverse(b.len));
+    // (blocks, positions used)
+    let mut rows: Vec<(Vec<Block>, usize)> = Vec::new();
+    for block in blocks {
+        let free = |row: &&mut (Vec<Block>, usize)| {
+            row_width.is_some_and(|width| row.1 + block.len <= width)
+        };
+        match rows.iter_mut().find(|row| free(row)) {
+            Some(row) => {
+                row.1 += block.len;
+                row.0.push(block);
+            }
+            None => {
+                let len = block.len;
+                rows.push((vec![block], len));
+            }
+        }
+    }
+    rows.sort_by_key(|row| std::cmp::Reverse(row.1));
     let mut batches: Vec<MicroBatch> = Vec::new();
-    for i in order {
+    for (row, used) in rows {
         match batches.last_mut() {
-            Some(b) if (b.sequences.len() + 1) * b.max_len <= max_tokens => b.sequences.push(i),
+            Some(b) if (b.rows.len() + 1) * b.width <= max_tokens => b.rows.push(row),
             _ => batches.push(MicroBatch {
-                sequences: vec![i],
-                max_len: lengths[i],
+                rows: vec![row],
+                width: used,
             }),
         }
     }

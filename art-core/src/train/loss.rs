@@ -8,10 +8,10 @@ use std::sync::Arc;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var, D};
 
-use crate::engine::{ops, Forward, LayerInputs, LoraAdapter, Model};
+use crate::engine::{ops, Forward, LayerInputs, LoraAdapter, Model, PackedBlock, PackedRows};
 use crate::types::{ImportanceSamplingLevel, KlPenaltySource, LossFn, TrainConfig};
 
-use super::batch::TrainSequence;
+use super::batch::{row_positions, RowBlock, TrainSequence};
 use super::error::Result;
 
 /// How token losses are averaged over a step (all its micro-batches together).
@@ -117,6 +117,18 @@ impl MicroBatchLoss {
     }
 }
 
+/// A block's layout for the model: the shared prefix, then each sequence's own positions.
+fn packed_block(block: &RowBlock<'_>) -> PackedBlock {
+    PackedBlock {
+        prefix: block.prefix,
+        continuations: block
+            .sequences
+            .iter()
+            .map(|&s| row_positions(s) - block.prefix)
+            .collect(),
+    }
+}
+
 /// ART's `advantage_balance` in [-1, 1]: above 0 negative advantages shrink by `1 - balance`,
 /// below 0 positive ones by `1 + balance`.
 fn balanced(advantage: f64, balance: f64) -> f64 {
@@ -199,58 +211,95 @@ fn target_logprobs(
     Ok((logprobs, entropy, None))
 }
 
-/// The GRPO loss of `batch` (right-padded into one forward). With `train`, the graph reaches
-/// the adapter's variables; without it, the same numbers are computed without a graph.
-/// `adapter: None` computes the base model's loss (its ratio is still taken against the
-/// sampler's logprobs). `reference` is the adapter of the KL terms' reference policy (`None`:
-/// the base model).
+/// The GRPO loss of one micro-batch: `rows[r]` are the blocks laid out one after another in row
+/// `r` of one forward (each sequence attending only to its block's shared prefix and itself),
+/// every row right-padded to the fullest. With `train`, the graph reaches the adapter's
+/// variables; without it, the same numbers are computed without a graph. `adapter: None`
+/// computes the base model's loss (its ratio is still taken against the sampler's logprobs).
+/// `reference` is the adapter of the KL terms' reference policy (`None`: the base model).
 pub fn micro_batch_loss(
     model: &Model,
     adapter: Option<&LoraAdapter>,
     reference: Option<&LoraAdapter>,
-    batch: &[&TrainSequence],
+    rows: &[Vec<RowBlock<'_>>],
     normalization: Normalization,
     config: &TrainConfig,
     train: bool,
 ) -> Result<MicroBatchLoss> {
     let device = model.device();
-    let rows = batch.len();
+    let packing = PackedRows {
+        rows: rows
+            .iter()
+            .map(|row| row.iter().map(packed_block).collect())
+            .collect(),
+    };
     // Rows padded to a multiple of 8 positions: cuBLAS falls back to slow unaligned kernels for
     // attention products whose rows are, say, 511 elements long (8% of a step's GPU time).
-    let width = (batch.iter().map(|s| s.len()).max().unwrap_or(0).max(2) - 1).next_multiple_of(8);
-    // Inputs are tokens[..len - 1]; position p of row r predicts tokens[p + 1].
-    let mut input = vec![0u32; rows * width];
+    let used = |row: &Vec<PackedBlock>| row.iter().map(PackedBlock::len).sum::<usize>();
+    let width = packing
+        .rows
+        .iter()
+        .map(used)
+        .max()
+        .unwrap_or(1)
+        .max(1)
+        .next_multiple_of(8);
+    // A sequence's inputs are tokens[..len - 1]: the position of its token i - 1 predicts token
+    // i. In a block, input position p < prefix is the block's shared one.
+    let mut input = vec![0u32; rows.len() * width];
     let mut positions = Vec::new();
     let mut targets = Vec::new();
     let mut sampler = Vec::new();
     let mut advantages = Vec::new();
     let mut weights = Vec::new();
+    // The sequence (numbered across rows) of each trained token, and each sequence's count.
     let mut seq_of = Vec::new();
-    let mut seq_tokens = Vec::with_capacity(rows);
-    for (r, seq) in batch.iter().enumerate() {
-        let n = seq.len().saturating_sub(1);
-        input[r * width..r * width + n].copy_from_slice(&seq.tokens[..n]);
-        let count = seq.num_trainable();
-        seq_tokens.push(count);
-        let weight = normalization.weight(count);
-        for i in 1..seq.len() {
-            if seq.trainable[i] {
-                positions.push((r * width + i - 1) as u32);
-                targets.push(seq.tokens[i]);
-                sampler.push(seq.sampler_logprobs[i]);
-                advantages.push(seq.advantage);
-                weights.push(weight);
-                seq_of.push(r as u32);
+    let mut seq_tokens = Vec::new();
+    for (r, row) in rows.iter().enumerate() {
+        let mut start = r * width;
+        for block in row {
+            let prefix_start = start;
+            let prefix = block.prefix;
+            input[start..start + prefix].copy_from_slice(&block.sequences[0].tokens[..prefix]);
+            start += prefix;
+            for seq in &block.sequences {
+                let own_start = start;
+                let own = row_positions(seq) - prefix;
+                let known = (prefix + own).min(seq.len());
+                input[own_start..own_start + known - prefix]
+                    .copy_from_slice(&seq.tokens[prefix..known]);
+                start += own;
+                let count = seq.num_trainable();
+                let weight = normalization.weight(count);
+                for i in 1..seq.len() {
+                    if seq.trainable[i] {
+                        let p = i - 1;
+                        let at = if p < prefix {
+                            prefix_start + p
+                        } else {
+                            own_start + p - prefix
+                        };
+                        positions.push(at as u32);
+                        targets.push(seq.tokens[i]);
+                        sampler.push(seq.sampler_logprobs[i]);
+                        advantages.push(seq.advantage);
+                        weights.push(weight);
+                        seq_of.push(seq_tokens.len() as u32);
+                    }
+                }
+                seq_tokens.push(count);
             }
         }
     }
+    let num_sequences = seq_tokens.len();
+    let packing = packing.is_packed().then_some(&packing);
     let n = positions.len();
     let fwd = Forward {
         adapter,
         train,
         quantized: false,
     };
-    let input = Tensor::from_vec(input, (rows, width), device)?;
+    let input = Tensor::from_vec(input, (rows.len(), width), device)?;
     let positions = Tensor::from_vec(positions, n, device)?;
     let target_ids = targets;
     let targets = Tensor::from_slice(&target_ids, n, device)?;
@@ -258,15 +307,15 @@ pub fn micro_batch_loss(
     let select = |hidden: Tensor| -> Result<Tensor> {
         let h = hidden.dim(D::Minus1)?;
         Ok(hidden
-            .reshape((rows * width, h))?
+            .reshape((rows.len() * width, h))?
             .index_select(&positions, 0)?)
     };
     let (hidden, recompute) = if train && checkpointing(model, adapter, config) {
-        let (top, inputs) = model.forward_layers_checkpointed(&input, adapter)?;
+        let (top, inputs) = model.forward_layers_checkpointed(&input, packing, adapter)?;
         let hidden = model.final_norm(top.as_tensor())?;
         (hidden, Some((top, inputs)))
     } else {
-        (model.forward_hidden(&input, fwd)?, None)
+        (model.forward_hidden(&input, packing, fwd)?, None)
     };
     let hidden = select(hidden)?;
     let (new_lp, entropy, head) = target_logprobs(model, &hidden, fwd, &targets, &target_ids)?;
@@ -283,7 +332,7 @@ pub fn micro_batch_loss(
             train: false,
             quantized: false,
         };
-        let ref_hidden = select(model.forward_hidden(&input, fwd)?)?;
+        let ref_hidden = select(model.forward_hidden(&input, packing, fwd)?)?;
         let (ref_lp, _, _) = target_logprobs(model, &ref_hidden, fwd, &targets, &target_ids)?;
         Some(ref_lp.detach())
     } else {
@@ -306,11 +355,12 @@ pub fn micro_batch_loss(
     // Mean log-ratio of each sequence (the log of the geometric mean of its token ratios),
     // given back to each of its tokens.
     let sequence_log_ratio = || -> Result<Tensor> {
-        let mut membership = vec![0f64; rows * n];
-        for (j, &r) in seq_of.iter().enumerate() {
-            membership[r as usize * n + j] = 1.0 / seq_tokens[r as usize] as f64;
+        let mut membership = vec![0f64; num_sequences * n];
+        for (j, &q) in seq_of.iter().enumerate() {
+            membership[q as usize * n + j] = 1.0 / seq_tokens[q as usize] as f64;
         }
-        let membership = Tensor::from_vec(membership, (rows, n), device)?.to_dtype(dtype)?;
+        let membership =
+            Tensor::from_vec(membership, (num_sequences, n), device)?.to_dtype(dtype)?;
         let per_seq = membership
             .matmul(&token_log_ratio.unsqueeze(1)?)?
             .squeeze(1)?;

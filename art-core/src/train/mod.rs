@@ -15,8 +15,11 @@
 //! 3. **Loss.** PPO-style clipped importance ratio against the sampler's logprobs, per token or
 //!    per sequence (geometric mean), plus `beta` times a k3 KL estimate to the base model;
 //!    normalised by sequence length or by the step's trainable tokens.
-//! 4. **Update.** Sequences are right-padded into micro-batches of at most `micro_batch_tokens`;
-//!    gradients accumulate over them; the global norm is clipped to `max_grad_norm`; one AdamW
+//! 4. **Update.** The sequences of a group that share their prompt run as one block, the prompt
+//!    computed once (`share_prefixes`); blocks are packed into rows (several per row, each
+//!    sequence attending only to its own, with `pack_sequences`; one per row, right-padded,
+//!    without) and rows into micro-batches of at most `micro_batch_tokens` positions; gradients
+//!    accumulate over them; the global norm is clipped to `max_grad_norm`; one AdamW
 //!    step.
 //! 5. **Checkpoint.** `model_dir/checkpoints/<step>/` (PEFT `adapter_config.json` +
 //!    `adapter_model.safetensors`, optimizer state, `trainer_state.json`) is written atomically,
@@ -31,8 +34,9 @@ mod optim;
 mod trainer;
 
 pub use batch::{
-    chat_template_for, group_advantages, pack_micro_batches, prepare_batch, MicroBatch,
-    PreparedBatch, Tokenization, TrainSequence,
+    chat_template_for, group_advantages, one_per_row, pack_micro_batches, plan_micro_batches,
+    prepare_batch, row_positions, shared_prefix_blocks, Block, MicroBatch, PreparedBatch, RowBlock,
+    Tokenization, TrainSequence,
 };
 pub use error::{Result, SequenceSource, TrainError};
 pub use loss::{micro_batch_loss, MicroBatchLoss, Normalization};

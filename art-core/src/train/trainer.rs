@@ -19,7 +19,7 @@ use crate::types::{
 };
 
 use super::batch::{
-    chat_template_for, pack_micro_batches, prepare_batch, MicroBatch, Tokenization, TrainSequence,
+    chat_template_for, plan_micro_batches, prepare_batch, MicroBatch, Tokenization, TrainSequence,
 };
 use super::error::{Result, SequenceSource, TrainError};
 use super::loss::{micro_batch_loss, Normalization};
@@ -306,10 +306,9 @@ impl Trainer {
         }
         let sequences = &batch.sequences;
         let normalization = Normalization::for_step(sequences, config);
-        let lengths: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
-        let micro_batches = pack_micro_batches(&lengths, config.micro_batch_tokens);
+        let micro_batches = plan_micro_batches(sequences, config);
         let total_trainable: usize = sequences.iter().map(|s| s.num_trainable()).sum();
-        let num_tokens: usize = lengths.iter().sum();
+        let num_tokens: usize = sequences.iter().map(TrainSequence::len).sum();
         let next_step = self.step + 1;
         // The batch is valid: say so before the (long) compute starts.
         on_progress(TrainProgress {
@@ -515,8 +514,7 @@ impl Trainer {
             let learning_rate = config.learning_rate.of_batch(b);
             let loss_config = cross_entropy_config(config, learning_rate);
             let normalization = Normalization::for_step(sequences, &loss_config);
-            let lengths: Vec<usize> = sequences.iter().map(|s| s.len()).collect();
-            let micro_batches = pack_micro_batches(&lengths, config.micro_batch_tokens);
+            let micro_batches = plan_micro_batches(sequences, &loss_config);
             let update = self.update(
                 sequences,
                 &micro_batches,
@@ -535,7 +533,7 @@ impl Trainer {
                 learning_rate,
                 num_trajectories: config.batch_size.min(num_trajectories - first),
                 num_trainable_tokens: sequences.iter().map(TrainSequence::num_trainable).sum(),
-                num_tokens: lengths.iter().sum(),
+                num_tokens: sequences.iter().map(TrainSequence::len).sum(),
                 duration_s: batch_started.elapsed().as_secs_f64(),
             };
             on_event(SftEvent::Batch(metrics.clone()));
@@ -587,12 +585,11 @@ impl Trainer {
             ..Default::default()
         };
         for (k, mb) in micro_batches.iter().enumerate() {
-            let members: Vec<_> = mb.sequences.iter().map(|&i| &sequences[i]).collect();
             let mut out = micro_batch_loss(
                 self.engine.model(),
                 Some(&self.adapter),
                 reference,
-                &members,
+                &mb.gather(sequences),
                 normalization,
                 config,
                 true,

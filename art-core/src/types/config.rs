@@ -124,9 +124,22 @@ pub struct TrainConfig {
     /// Normalise each sequence's loss by its own number of trainable tokens (true), or every token
     /// by the batch's total (false, "token-level" as in DAPO).
     pub normalize_by_sequence_length: bool,
-    /// Upper bound on the tokens in one forward/backward micro-batch; larger steps accumulate
-    /// gradients over several.
+    /// Upper bound on the tokens in one forward/backward micro-batch, padding included; larger
+    /// steps accumulate gradients over several.
     pub micro_batch_tokens: usize,
+    /// Pack several sequences into one row of a forward pass, one after another, each attending
+    /// only to itself and counting its positions from 0, so that sequences of uneven lengths
+    /// compute little padding (ART always packs). Off: one right-padded row per sequence. The
+    /// numbers are the same either way, up to rounding.
+    pub pack_sequences: bool,
+    /// The positions of a packed row (ART's name). `None`: those of the step's longest
+    /// sequence (or shared-prefix block). A longer one gets a row of its own.
+    pub packed_sequence_length: Option<usize>,
+    /// Compute the prompt the rollouts of a group share once for all of them: the group's
+    /// sequences run as one block, their common prefix followed by each one's continuation,
+    /// which attends to the prefix and to itself. The numbers are the same as without, up to
+    /// rounding; a group of rollouts with short answers trains several times faster.
+    pub share_prefixes: bool,
     pub lora: LoraConfig,
     /// Train on choices that came without logprobs (the ratio is then taken as 1).
     pub allow_training_without_logprobs: bool,
@@ -160,6 +173,9 @@ impl Default for TrainConfig {
             weight_decay: 0.0,
             normalize_by_sequence_length: false,
             micro_batch_tokens: 4096,
+            pack_sequences: true,
+            packed_sequence_length: None,
+            share_prefixes: true,
             lora: LoraConfig::default(),
             allow_training_without_logprobs: false,
             gradient_checkpointing: None,
@@ -287,6 +303,14 @@ impl TrainConfig {
             self.micro_batch_tokens,
             "at least 1",
         )?;
+        if let Some(width) = self.packed_sequence_length {
+            check(
+                width > 0,
+                "packed_sequence_length",
+                width,
+                "at least 1, or null",
+            )?;
+        }
         check(
             self.lora.rank > 0,
             "lora.rank",

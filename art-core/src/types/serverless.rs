@@ -336,9 +336,11 @@ impl ExperimentalConfig {
             config.precalculate_logprobs = precalculate;
         }
         config.truncated_importance_sampling = self.truncated_importance_sampling;
-        // ART packs sequences into rows of this many tokens; a micro-batch here holds as many
-        // tokens (padding included).
+        // ART packs sequences into rows of this many tokens and runs one row per forward pass:
+        // the same here.
         if let Some(tokens) = self.packed_sequence_length {
+            config.pack_sequences = true;
+            config.packed_sequence_length = Some(tokens);
             config.micro_batch_tokens = tokens;
         }
         // `logprob_calculation_chunk_size` bounds the memory of ART's logprob computation and

@@ -20,7 +20,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use super::{DecoderLayer, RmsNorm, RopeTables};
+use super::{causal_probs, DecoderLayer, RmsNorm, RopeTables};
 use crate::engine::error::Result;
 use crate::engine::linear::{scaled_pair, Linear};
 use crate::engine::lora::{LoraAdapter, LoraPair, Proj};
@@ -217,7 +217,7 @@ fn activations(
     let k_rot = rope.apply(&ops::transpose12(&k_normed)?)?;
     // The query heads sharing a key head, stacked: [B, kv, n_rep * L, hd].
     let q_grouped = q_rot.reshape((b, kv, (h / kv) * l, hd))?;
-    let probs = ops::causal_softmax(&q_grouped.matmul(&k_rot.t()?)?, l, 0)?;
+    let probs = causal_probs(&q_grouped.matmul(&k_rot.t()?)?, l, rope)?;
     let attended =
         ops::transpose12(&probs.matmul(&v)?.reshape((b, h, l, hd))?)?.reshape((t, h * hd))?;
     let x2 = ops::add(x, &run(Proj::O, &attended)?)?;

@@ -26,6 +26,7 @@ impl Model {
         let tables = RopeTables {
             cos: t.cos.squeeze(0)?,
             sin: t.sin.squeeze(0)?,
+            segments: None,
         };
         Ok(self.decode_rope.get_or_init(|| tables))
     }
@@ -117,6 +118,7 @@ impl Model {
                 .sin
                 .index_select(&positions, 0)?
                 .reshape((b, 1, half))?,
+            segments: None,
         };
         for layer in &self.layers {
             x = layer.forward(&x, &step, None, Some(plan), fwd)?;

@@ -10,21 +10,19 @@ impl Model {
         Ok(grad.matmul(self.lm_head.weight())?)
     }
 
-    /// [`Model::forward_hidden`]'s layers for training with recomputation (gradient
-    /// checkpointing): run without a graph, keeping only each layer's input, so that a step holds
+    /// [`Model::forward_hidden`]'s layers (rows packed as `packing` says) for training with
+    /// recomputation (gradient checkpointing): run without a graph, keeping only each layer's input, so that a step holds
     /// one layer's activations at a time instead of every layer's. Returns the last layer's
     /// output as a variable, where the graph of the head and the loss starts (apply
     /// [`Model::final_norm`] to it), and the inputs that [`Model::backward_layers`] needs.
     pub fn forward_layers_checkpointed(
         &self,
         input_ids: &Tensor,
+        packing: Option<&PackedRows>,
         adapter: Option<&LoraAdapter>,
     ) -> Result<(Var, LayerInputs)> {
         self.check_ids(input_ids)?;
-        let (b, l) = input_ids.dims2()?;
-        let rope = self
-            .rotary
-            .tables(&vec![0; b], l, self.dtype, &self.device)?;
+        let rope = self.row_tables(input_ids.dims2()?, packing)?;
         let fwd = Forward {
             adapter,
             train: false,
