@@ -969,29 +969,11 @@ fn packed_rows_forward_as_rows_of_their_own() {
         let at = |row: usize, start: usize, len: usize| {
             packed.get(row).unwrap().narrow(0, start, len).unwrap()
         };
-        for (seq, got) in sequences
+        let mut cases: Vec<(&[u32], Tensor)> = sequences
             .iter()
+            .copied()
             .zip([at(0, 0, 5), at(0, 5, 3), at(1, 0, 4)])
-        {
-            let alone = Tensor::new(*seq, device).unwrap().unsqueeze(0).unwrap();
-            let want = model
-                .forward_hidden(&alone, None, fwd)
-                .unwrap()
-                .squeeze(0)
-                .unwrap();
-            let diff = (got.to_dtype(DType::F32).unwrap() - want.to_dtype(DType::F32).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            assert!(
-                diff <= tolerance,
-                "{arch:?} {dtype:?}: {seq:?} differs by {diff}"
-            );
-        }
+            .collect();
         // A packing that does not fit its rows is an error, not a wrong answer.
         let wrong = art_core::engine::PackedRows {
             rows: vec![
@@ -1011,16 +993,13 @@ fn packed_rows_forward_as_rows_of_their_own() {
         };
         let packed = model.forward_hidden(&input, Some(&shared), fwd).unwrap();
         let row = packed.get(0).unwrap();
-        let first = Tensor::cat(&[row.narrow(0, 0, 5).unwrap()], 0).unwrap();
-        let second = Tensor::cat(
-            &[row.narrow(0, 0, 3).unwrap(), row.narrow(0, 5, 1).unwrap()],
-            0,
-        )
-        .unwrap();
-        for (seq, got) in [
-            (&[5u32, 9, 13, 2, 7][..], first),
-            (&[5, 9, 13, 4][..], second),
-        ] {
+        let part = |start, len| row.narrow(0, start, len).unwrap();
+        cases.push((&[5, 9, 13, 2, 7], part(0, 5)));
+        cases.push((
+            &[5, 9, 13, 4],
+            Tensor::cat(&[part(0, 3), part(5, 1)], 0).unwrap(),
+        ));
+        for (seq, got) in cases {
             let alone = Tensor::new(seq, device).unwrap().unsqueeze(0).unwrap();
             let want = model
                 .forward_hidden(&alone, None, fwd)
@@ -1037,7 +1016,7 @@ fn packed_rows_forward_as_rows_of_their_own() {
                 .unwrap();
             assert!(
                 diff <= tolerance,
-                "{arch:?} {dtype:?}: shared {seq:?} differs by {diff}"
+                "{arch:?} {dtype:?}: {seq:?} differs by {diff}"
             );
         }
     }

@@ -110,19 +110,43 @@ pub(super) struct Segments {
 }
 
 impl Segments {
+    /// Built on the device from four numbers per query (its index and the bounds of what it
+    /// sees): the host never writes the `B x L x L` mask, which for long rows on a GPU would
+    /// cost more than the attention it masks.
     fn new(
         sights: &[Sight],
         (b, l): (usize, usize),
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let mut mask = vec![f32::NEG_INFINITY; b * l * l];
-        for (row, sight) in sights.iter().enumerate() {
-            let (query, base) = (row % l, row * l);
-            mask[base + sight.prefix.0..base + sight.prefix.1].fill(0.0);
-            mask[base + sight.own..base + query + 1].fill(0.0);
-        }
-        let mask = Tensor::from_vec(mask, (b, 1, 1, l, l), device)?.to_dtype(dtype)?;
+        let column = |f: &dyn Fn(usize, &Sight) -> usize| -> Result<Tensor> {
+            let values: Vec<u32> = sights
+                .iter()
+                .enumerate()
+                .map(|(row, sight)| f(row % l, sight) as u32)
+                .collect();
+            Ok(Tensor::from_vec(values, (b, l, 1), device)?)
+        };
+        let query = column(&|q, _| q)?;
+        let own = column(&|_, s| s.own)?;
+        let prefix_start = column(&|_, s| s.prefix.0)?;
+        let prefix_end = column(&|_, s| s.prefix.1)?;
+        let keys = Tensor::arange(0u32, l as u32, device)?.reshape((1, 1, l))?;
+        let within = |low: &Tensor, high: &Tensor, inclusive: bool| -> Result<Tensor> {
+            let above = keys.broadcast_ge(low)?;
+            let below = if inclusive {
+                keys.broadcast_le(high)?
+            } else {
+                keys.broadcast_lt(high)?
+            };
+            Ok((above * below)?)
+        };
+        // u8 0/1 flags; one of the two ranges is enough.
+        let seen =
+            within(&own, &query, true)?.maximum(&within(&prefix_start, &prefix_end, false)?)?;
+        let zero = Tensor::zeros((b, l, l), dtype, device)?;
+        let hidden = Tensor::full(f32::NEG_INFINITY, (b, l, l), device)?.to_dtype(dtype)?;
+        let mask = seen.where_cond(&zero, &hidden)?.reshape((b, 1, 1, l, l))?;
         Ok(Segments { mask })
     }
 }
