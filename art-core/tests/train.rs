@@ -764,11 +764,22 @@ fn loss_gradients(
 ) -> (Vec<f32>, MicroBatchLoss) {
     let refs: Vec<&TrainSequence> = sequences.iter().collect();
     let norm = Normalization::for_step(sequences, config);
+    layout_gradients(engine, adapter, &one_per_row(&refs), norm, config)
+}
+
+/// [`loss_gradients`] of sequences laid out in `rows`.
+fn layout_gradients(
+    engine: &Engine,
+    adapter: &LoraAdapter,
+    rows: &[Vec<RowBlock>],
+    norm: Normalization,
+    config: &TrainConfig,
+) -> (Vec<f32>, MicroBatchLoss) {
     let mut out = micro_batch_loss(
         engine.model(),
         Some(adapter),
         None,
-        &one_per_row(&refs),
+        rows,
         norm,
         config,
         true,
@@ -893,28 +904,8 @@ fn packed_rows_give_the_loss_and_gradients_of_a_row_each() {
                 ..Default::default()
             };
             let norm = Normalization::for_step(sequences, &config);
-            let run = |rows: &[Vec<RowBlock>]| {
-                let mut out = micro_batch_loss(
-                    engine.model(),
-                    Some(&adapter),
-                    None,
-                    rows,
-                    norm,
-                    &config,
-                    true,
-                )
-                .unwrap();
-                let grads = out.backward(engine.model(), &adapter).unwrap();
-                let flat: Vec<f32> = adapter
-                    .named_vars()
-                    .iter()
-                    .flat_map(|(_, var)| {
-                        let g = grads.get(var.as_tensor()).expect("a gradient");
-                        g.flatten_all().unwrap().to_vec1::<f32>().unwrap()
-                    })
-                    .collect();
-                (flat, out)
-            };
+            let run =
+                |rows: &[Vec<RowBlock>]| layout_gradients(&engine, &adapter, rows, norm, &config);
             let (apart, a) = run(&one_per_row(&refs));
             let (together, b) = run(layout);
             let what = format!("{name} vs one per row (checkpointing {checkpointing})");
