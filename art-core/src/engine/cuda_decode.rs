@@ -190,8 +190,180 @@ fn rows(t: &Tensor, b: usize) -> Result<(Tensor, usize)> {
     Ok((t, stride))
 }
 
+/// Rows a decode product takes at most ([`gemv`], [`gemv_swiglu`]); beyond, cuBLAS.
+pub(crate) const GEMV_ROWS: usize = 8;
+
+/// Whether [`gemv`] takes `x` (`[M, K]`) times `weights`: at most [`GEMV_ROWS`] rows, one dtype,
+/// rows of 16-byte multiples at 16-byte aligned addresses (its vector loads), contiguous.
+pub(crate) fn gemv_applies(x: &Tensor, weights: &[&Tensor]) -> bool {
+    let Ok((m, k)) = x.dims2() else { return false };
+    let aligned = |t: &Tensor| {
+        t.is_contiguous()
+            && t.dtype() == x.dtype()
+            && (k * t.dtype().size_in_bytes()).is_multiple_of(16)
+            && device_address(t).is_ok_and(|a| a.is_multiple_of(16))
+    };
+    switches::DECODE_GEMV.on()
+        && m <= GEMV_ROWS
+        && matches!(x.dtype(), DType::BF16 | DType::F32)
+        && aligned(x)
+        && weights
+            .iter()
+            .all(|w| w.dims2().is_ok_and(|(_, kk)| kk == k) && aligned(w))
+}
+
+/// One LoRA pair for a decode product: `A` `[r, in]` and `B` `[out, r]`, f32.
+pub(crate) type LoraF32 = (Tensor, Tensor);
+
+/// `x` `[M, K]` times up to three weights `[N_s, K]`, side by side: `[M, sum N_s]`, one kernel
+/// (plus one for the LoRA down-projections when `lora` is given: each weight's pair, if it has
+/// one, and the scale). Check [`gemv_applies`] first.
+pub(crate) fn gemv(
+    x: &Tensor,
+    weights: &[&Tensor],
+    lora: Option<(&[Option<LoraF32>], f64)>,
+) -> Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    if weights.is_empty() || weights.len() > 3 {
+        return Err(candle_core::Error::Msg("gemv: one to three weights".into()).into());
+    }
+    let n: Vec<usize> = weights
+        .iter()
+        .map(|w| w.dim(0))
+        .collect::<candle_core::Result<_>>()?;
+    let total: usize = n.iter().sum();
+    let mut w = [0u64; 3];
+    let mut widths = [0i32; 3];
+    for (i, t) in weights.iter().enumerate() {
+        w[i] = device_address(t)?;
+        widths[i] = int(n[i])?;
+    }
+    let down = lora
+        .map(|(pairs, scale)| lora_down(x, pairs, scale))
+        .transpose()?;
+    let (xa, b, r, scale) = match &down {
+        Some(d) => (device_address(&d.xa)?, d.b, d.rank, d.scale),
+        None => (0, [0; 3], 0, 0.0),
+    };
+    let addresses = [device_address(x)?, w[0], w[1], w[2], xa, b[0], b[1], b[2]];
+    let ints = [int(m)?, int(k)?, widths[0], widths[1], widths[2], int(r)?];
+    let out = x.apply_op1_no_bwd(&RawLaunch {
+        kernel: "gemv",
+        addresses: &addresses,
+        ints: &ints,
+        float: scale,
+        out_shape: (m, total).into(),
+        out_f32: false,
+        grid: (total.div_ceil(GEMV_WARPS) as u32, 1, 1),
+        threads: 32 * GEMV_WARPS as u32,
+        shared_bytes: 0,
+    })?;
+    drop(down);
+    Ok(out)
+}
+
+/// `silu(x gate^T) * (x up^T)` for `x` `[M, K]`, `gate`, `up` `[N, K]`: `[M, N]`, one kernel (plus
+/// one for the LoRA down-projections: `lora` holds gate's and up's pairs and the scale).
+pub(crate) fn gemv_swiglu(
+    x: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+    lora: Option<(&[Option<LoraF32>], f64)>,
+) -> Result<Tensor> {
+    let (m, k) = x.dims2()?;
+    let n = gate.dim(0)?;
+    let down = lora
+        .map(|(pairs, scale)| lora_down(x, pairs, scale))
+        .transpose()?;
+    let (xa, b, r, scale) = match &down {
+        Some(d) => (device_address(&d.xa)?, d.b, d.rank, d.scale),
+        None => (0, [0; 3], 0, 0.0),
+    };
+    let addresses = [
+        device_address(x)?,
+        device_address(gate)?,
+        device_address(up)?,
+        xa,
+        b[0],
+        b[1],
+    ];
+    let ints = [int(m)?, int(k)?, int(n)?, int(r)?];
+    let out = x.apply_op1_no_bwd(&RawLaunch {
+        kernel: "gemv_swiglu",
+        addresses: &addresses,
+        ints: &ints,
+        float: scale,
+        out_shape: (m, n).into(),
+        out_f32: false,
+        grid: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
+        threads: 32 * GEMV_WARPS as u32,
+        shared_bytes: 0,
+    })?;
+    drop(down);
+    Ok(out)
+}
+
+/// Output columns per block of the decode products (one warp each).
+const GEMV_WARPS: usize = 4;
+
+/// The rows' products with the LoRA A matrices (`[M, 3r]`, f32), with the B matrices' addresses
+/// (0 for a weight without an adapter pair); the tensors stay alive with it.
+struct LoraDown {
+    xa: Tensor,
+    b: [u64; 3],
+    rank: usize,
+    scale: f32,
+    _keep: Vec<Tensor>,
+}
+
+fn lora_down(x: &Tensor, pairs: &[Option<LoraF32>], scale: f64) -> Result<LoraDown> {
+    let (m, k) = x.dims2()?;
+    let mut a = [0u64; 3];
+    let mut b = [0u64; 3];
+    let mut rank = 0;
+    let mut keep = Vec::new();
+    for (i, pair) in pairs.iter().enumerate().take(3) {
+        let Some((pa, pb)) = pair else { continue };
+        let (pa, pb) = (pa.contiguous()?, pb.contiguous()?);
+        if pa.dtype() != DType::F32 || pb.dtype() != DType::F32 {
+            return Err(candle_core::Error::Msg("gemv: LoRA pairs must be f32".into()).into());
+        }
+        let r = pa.dim(0)?;
+        if rank != 0 && r != rank {
+            return Err(
+                candle_core::Error::Msg("gemv: LoRA pairs of different ranks".into()).into(),
+            );
+        }
+        rank = r;
+        a[i] = device_address(&pa)?;
+        b[i] = device_address(&pb)?;
+        keep.extend([pa, pb]);
+    }
+    let addresses = [device_address(x)?, a[0], a[1], a[2]];
+    let ints = [int(m)?, int(k)?, int(rank)?];
+    let xa = x.apply_op1_no_bwd(&RawLaunch {
+        kernel: "lora_down",
+        addresses: &addresses,
+        ints: &ints,
+        float: 0.0,
+        out_shape: (m, 3 * rank.max(1)).into(),
+        out_f32: true,
+        grid: ((3 * rank).div_ceil(GEMV_WARPS).max(1) as u32, 1, 1),
+        threads: 32 * GEMV_WARPS as u32,
+        shared_bytes: 0,
+    })?;
+    Ok(LoraDown {
+        xa,
+        b,
+        rank,
+        scale: scale as f32,
+        _keep: keep,
+    })
+}
+
 /// Attention of each row's query (`[B, H, hd]`, rotated and scaled) over its cache, the new
-/// token already written: `[B, H * hd]`.
+/// token already written: `[B, H * hd]`. Split along the cache in [`SPLITS`] parts (one block
+/// each per head and row), then combined: two kernels.
 pub(crate) fn attend_cached(
     plan: &DecodePlan,
     layer: usize,
@@ -199,21 +371,49 @@ pub(crate) fn attend_cached(
     (heads, kv_heads, head_dim): (usize, usize, usize),
 ) -> Result<Tensor> {
     let b = plan.batch;
+    if !attend_cached_takes(head_dim) {
+        return Err(candle_core::Error::Msg(format!(
+            "decode attention: head size {head_dim} not supported"
+        ))
+        .into());
+    }
     let q = q.contiguous()?;
     let addresses = [device_address(&q)?, device_address(&plan.table)?];
     let ints = plan.kernel_ints(layer, (heads, kv_heads, head_dim))?;
-    Ok(q.apply_op1_no_bwd(&RawLaunch {
-        kernel: "attend",
+    let parts = q.apply_op1_no_bwd(&RawLaunch {
+        kernel: "attend_split",
         addresses: &addresses,
         ints: &ints,
+        float: 0.0,
+        out_shape: (b, heads, SPLITS, head_dim + 2).into(),
+        out_f32: true,
+        grid: (heads as u32, b as u32, SPLITS as u32),
+        threads: SPLIT_THREADS,
+        shared_bytes: 0,
+    })?;
+    let addresses = [device_address(&parts)?];
+    Ok(q.apply_op1_no_bwd(&RawLaunch {
+        kernel: "attend_combine",
+        addresses: &addresses,
+        ints: &[int(heads)?, int(head_dim)?],
         float: 0.0,
         out_shape: (b, heads * head_dim).into(),
         out_f32: false,
         grid: (heads as u32, b as u32, 1),
-        threads: THREADS,
-        shared_bytes: ((head_dim + 32 + THREADS as usize + plan.max_len) * 4) as u32,
+        threads: (head_dim as u32).max(32),
+        shared_bytes: 0,
     })?)
 }
+
+/// Whether [`attend_cached`] takes heads of `head_dim` (one thread per element).
+pub(crate) fn attend_cached_takes(head_dim: usize) -> bool {
+    head_dim > 0 && head_dim <= SPLIT_THREADS as usize && head_dim.is_multiple_of(2)
+}
+
+/// Parts of the cache the decode attention splits each row's into (`SPLITS` in the kernels).
+const SPLITS: usize = 16;
+/// Threads per block of the split attention (`SPLIT_THREADS` in the kernels).
+const SPLIT_THREADS: u32 = 128;
 
 /// `x + y` and the RMS norm of it with `weight`, for rows `[.., d]` of one dtype, in one pass:
 /// `(sum, normed)`. The residual add of one block and the norm that starts the next.
@@ -587,6 +787,242 @@ __device__ void add_rms_norm_impl(T* out, const T* x, const T* y, const T* w, in
   for (int i = threadIdx.x; i < d; i += blockDim.x) st(normed + i, ld(sum + i) * r * ld(w + i));
 }
 
+// Products of a few rows (a decode step of up to GEMV_ROWS sequences) with weights [N, K]:
+// one warp per output column reads the weight row once, 16 bytes per lane per load, for all the
+// rows at once. cuBLAS's kernels for these shapes take 2-3x the time the bytes need.
+#define GEMV_ROWS 8
+
+__device__ __forceinline__ void load16(const bf16_t* p, float* f) {
+  uint4 u = __ldg((const uint4*)p);
+  unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void load16(const float* p, float* f) {
+  float4 u = __ldg((const float4*)p);
+  f[0] = u.x; f[1] = u.y; f[2] = u.z; f[3] = u.w;
+}
+
+// acc[m] = x[m, :] . w[:] for m < M, summed over the warp (every lane gets it). Each lane issues
+// GEMV_UNROLL 16-byte weight loads before it uses any: one load in flight per lane left the
+// memory system idle (a warp's whole row of a 0.5B model's weight is one such round).
+#define GEMV_UNROLL 4
+template <typename T>
+__device__ __forceinline__ void warp_dots(const T* x, int K, const T* w, int M, float* acc) {
+  const int V = 16 / sizeof(T), step = 32 * V;
+  int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int m = 0; m < GEMV_ROWS; ++m) acc[m] = 0.f;
+  int k = lane * V;
+  for (; k + (GEMV_UNROLL - 1) * step < K; k += GEMV_UNROLL * step) {
+    float wf[GEMV_UNROLL][V];
+#pragma unroll
+    for (int u = 0; u < GEMV_UNROLL; ++u) load16(w + k + u * step, wf[u]);
+#pragma unroll
+    for (int m = 0; m < GEMV_ROWS; ++m) {
+      if (m < M) {
+#pragma unroll
+        for (int u = 0; u < GEMV_UNROLL; ++u) {
+          float xf[V];
+          load16(x + (size_t)m * K + k + u * step, xf);
+#pragma unroll
+          for (int i = 0; i < V; ++i) acc[m] += wf[u][i] * xf[i];
+        }
+      }
+    }
+  }
+  for (; k < K; k += step) {
+    float wf[V];
+    load16(w + k, wf);
+#pragma unroll
+    for (int m = 0; m < GEMV_ROWS; ++m) {
+      if (m < M) {
+        float xf[V];
+        load16(x + (size_t)m * K + k, xf);
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[m] += wf[i] * xf[i];
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < GEMV_ROWS; ++m) acc[m] = warp_sum(acc[m]);
+}
+
+// The LoRA update of output column n: scale * xa[m, off:off+r] . b[n, :] (f32), per row.
+__device__ __forceinline__ void lora_up(const float* xa, int lda, int off, const float* b, int n,
+                                        int r, int M, float scale, float* delta) {
+  int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int m = 0; m < GEMV_ROWS; ++m) {
+    float t = 0.f;
+    if (m < M)
+      for (int j = lane; j < r; j += 32) t += xa[m * lda + off + j] * b[(size_t)n * r + j];
+    delta[m] = scale * warp_sum(t);
+  }
+}
+
+// y [M, n0 + n1 + n2] = x [M, K] times the weights w0 [n0, K], w1, w2 side by side, plus each
+// one's LoRA update when xa (the rows' products with the A matrices, [M, 3r] f32) is given and
+// the segment has its B (f32 [n_s, r]). As the unfused path, the product and the update are each
+// rounded to T before they are added.
+template <typename T>
+__device__ void gemv_impl(T* y, const T* x, int M, int K, const T* w0, const T* w1, const T* w2,
+                          int n0, int n1, int n2, const float* xa, const float* b0,
+                          const float* b1, const float* b2, int r, float scale) {
+  int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  int ntot = n0 + n1 + n2;
+  if (col >= ntot) return;  // whole warps: no block-wide synchronisation below
+  int s = col < n0 ? 0 : (col < n0 + n1 ? 1 : 2);
+  int n = col - (s > 0 ? n0 : 0) - (s > 1 ? n1 : 0);
+  const T* w = (s == 0 ? w0 : (s == 1 ? w1 : w2)) + (size_t)n * K;
+  float acc[GEMV_ROWS], delta[GEMV_ROWS];
+  warp_dots(x, K, w, M, acc);
+  const float* b = s == 0 ? b0 : (s == 1 ? b1 : b2);
+  bool lora = xa && b;
+  if (lora) lora_up(xa, 3 * r, s * r, b, n, r, M, scale, delta);
+  if (threadIdx.x % 32 == 0)
+    for (int m = 0; m < M; ++m) {
+      float v = rounded<T>(acc[m]);
+      if (lora) v += rounded<T>(delta[m]);
+      st(y + (size_t)m * ntot + col, v);
+    }
+}
+
+// hidden [M, n] = silu(x . gate) * (x . up) for gate and up [n, K], each with its LoRA update
+// (segments 0 and 1 of xa); the two products rounded to T first, as the unfused path stores them.
+template <typename T>
+__device__ void gemv_swiglu_impl(T* y, const T* x, int M, int K, const T* wg, const T* wu, int n,
+                                 const float* xa, const float* bg, const float* bu, int r,
+                                 float scale) {
+  int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (col >= n) return;
+  float g[GEMV_ROWS], u[GEMV_ROWS], dg[GEMV_ROWS], du[GEMV_ROWS];
+  warp_dots(x, K, wg + (size_t)col * K, M, g);
+  warp_dots(x, K, wu + (size_t)col * K, M, u);
+  bool lg = xa && bg, lu = xa && bu;
+  if (lg) lora_up(xa, 3 * r, 0, bg, col, r, M, scale, dg);
+  if (lu) lora_up(xa, 3 * r, r, bu, col, r, M, scale, du);
+  if (threadIdx.x % 32 == 0)
+    for (int m = 0; m < M; ++m) {
+      float a = rounded<T>(g[m]), c = rounded<T>(u[m]);
+      if (lg) a = rounded<T>(a + rounded<T>(dg[m]));
+      if (lu) c = rounded<T>(c + rounded<T>(du[m]));
+      st(y + (size_t)m * n + col, a / (1.f + __expf(-a)) * c);
+    }
+}
+
+// xa [M, 3r] (f32) = x [M, K] times the LoRA A matrices a0, a1, a2 ([r, K] f32; null ones give
+// zeros): one warp per column.
+template <typename T>
+__device__ void lora_down_impl(float* xa, const T* x, int M, int K, const float* a0,
+                               const float* a1, const float* a2, int r) {
+  int col = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (col >= 3 * r) return;
+  const float* a = col < r ? a0 : (col < 2 * r ? a1 : a2);
+  float acc[GEMV_ROWS];
+#pragma unroll
+  for (int m = 0; m < GEMV_ROWS; ++m) acc[m] = 0.f;
+  if (a) {
+    a += (size_t)(col % r) * K;
+    for (int k = lane; k < K; k += 32) {
+      float av = a[k];
+#pragma unroll
+      for (int m = 0; m < GEMV_ROWS; ++m)
+        if (m < M) acc[m] += ld(x + (size_t)m * K + k) * av;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < GEMV_ROWS; ++m) acc[m] = warp_sum(acc[m]);
+  if (lane == 0)
+    for (int m = 0; m < M; ++m) xa[m * 3 * r + col] = acc[m];
+}
+
+// Attention of one token per sequence split along the cache (flash-decoding): block (h, b, c)
+// takes the c-th of SPLITS equal parts of row b's cache for query head h and writes its part's
+// maximum score, weight sum and weighted value sum (f32, [B, H, SPLITS, hd + 2]); the combine
+// kernel rescales and adds the parts. At batch 1 the single-block kernel kept 14 of 132 SMs busy.
+#define SPLITS 16
+#define SPLIT_THREADS 128
+template <typename T>
+__device__ void attend_split_impl(float* part, const T* q, const long long* table, int layer,
+                                  int layers, int B, int H, int kv, int hd) {
+  __shared__ float qs[256];
+  __shared__ float red[32];
+  __shared__ float sc[(11000 + SPLITS - 1) / SPLITS];
+  __shared__ float acc_part[SPLIT_THREADS];
+  int h = blockIdx.x, b = blockIdx.y, c = blockIdx.z;
+  int tid = threadIdx.x, nt = blockDim.x;
+  int kvh = h / (H / kv);
+  long long cap = table[2 * layers * B + B + b];
+  int len = (int)table[2 * layers * B + b] + 1;
+  int chunk = (len + SPLITS - 1) / SPLITS;
+  int t0 = min(len, c * chunk), t1 = min(len, t0 + chunk);
+  const T* kb = (const T*)table[(2 * layer) * B + b] + (size_t)kvh * cap * hd;
+  const T* vb = (const T*)table[(2 * layer + 1) * B + b] + (size_t)kvh * cap * hd;
+  const T* qp = q + ((size_t)b * H + h) * hd;
+  for (int d = tid; d < hd; d += nt) qs[d] = ld(qp + d);
+  __syncthreads();
+  int warp = tid / 32, lane = tid % 32, nw = nt / 32;
+  for (int t = t0 + warp; t < t1; t += nw) {
+    const T* kr = kb + (size_t)t * hd;
+    float s = 0.f;
+    for (int d = lane; d < hd; d += 32) s += qs[d] * ld(kr + d);
+    s = warp_sum(s);
+    if (lane == 0) sc[t - t0] = s;
+  }
+  __syncthreads();
+  float m = __int_as_float(0xff800000);
+  for (int t = tid; t < t1 - t0; t += nt) m = fmaxf(m, sc[t]);
+  m = block_max(m, red);
+  float sum = 0.f;
+  for (int t = tid; t < t1 - t0; t += nt) {
+    float e = t1 > t0 ? __expf(sc[t] - m) : 0.f;
+    sc[t] = e;
+    sum += e;
+  }
+  sum = block_sum(sum, red);
+  __syncthreads();
+  int groups = nt / hd, g = tid / hd, d = tid % hd;
+  float acc = 0.f;
+  if (g < groups)
+    for (int t = t0 + g; t < t1; t += groups) acc += sc[t - t0] * ld(vb + (size_t)t * hd + d);
+  acc_part[tid] = acc;
+  __syncthreads();
+  float* out = part + (((size_t)b * H + h) * SPLITS + c) * (hd + 2);
+  for (int e = tid; e < hd; e += nt) {
+    float a = 0.f;
+    for (int i = 0; i < groups; ++i) a += acc_part[i * hd + e];
+    out[e] = a;
+  }
+  if (tid == 0) {
+    out[hd] = m;
+    out[hd + 1] = sum;
+  }
+}
+
+// out [B, H, hd] from the parts: grid (H, B), hd threads.
+template <typename T>
+__device__ void attend_combine_impl(T* out, const float* part, int H, int hd) {
+  int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  const float* p = part + ((size_t)b * H + h) * SPLITS * (hd + 2);
+  float m = __int_as_float(0xff800000);
+  for (int c = 0; c < SPLITS; ++c)
+    if (p[c * (hd + 2) + hd + 1] > 0.f) m = fmaxf(m, p[c * (hd + 2) + hd]);
+  float l = 0.f, a = 0.f;
+  for (int c = 0; c < SPLITS; ++c) {
+    const float* q = p + c * (hd + 2);
+    if (q[hd + 1] > 0.f) {
+      float w = __expf(q[hd] - m);
+      l += q[hd + 1] * w;
+      if (d < hd) a += q[d] * w;
+    }
+  }
+  if (d < hd) st(out + ((size_t)b * H + h) * hd + d, a / l);
+}
+
 #define PTR(T, p) ((const T*)(p))
 #define DECODE_EXPORTS(suffix, T)                                                              \
   extern "C" __global__ void art_rope_append_##suffix(                                         \
@@ -603,10 +1039,34 @@ __device__ void add_rms_norm_impl(T* out, const T* x, const T* y, const T* w, in
       int d, float eps) {                                                                      \
     add_rms_norm_impl<T>(out, PTR(T, x), PTR(T, y), PTR(T, w), rows, d, eps);                  \
   }                                                                                            \
-  extern "C" __global__ void art_attend_##suffix(T* out, unsigned long long q,                 \
-      unsigned long long table, int layer, int layers, int B, int H, int kv, int hd,           \
-      float unused) {                                                                          \
-    attn_impl<T>(PTR(T, q), out, (const long long*)table, layer, layers, B, H, kv, hd);        \
+  extern "C" __global__ void art_gemv_##suffix(                                                \
+      T* out, unsigned long long x, unsigned long long w0, unsigned long long w1,              \
+      unsigned long long w2, unsigned long long xa, unsigned long long b0,                     \
+      unsigned long long b1, unsigned long long b2, int M, int K, int n0, int n1, int n2,      \
+      int r, float scale) {                                                                    \
+    gemv_impl<T>(out, PTR(T, x), M, K, PTR(T, w0), PTR(T, w1), PTR(T, w2), n0, n1, n2,          \
+                 PTR(float, xa), PTR(float, b0), PTR(float, b1), PTR(float, b2), r, scale);     \
+  }                                                                                            \
+  extern "C" __global__ void art_gemv_swiglu_##suffix(                                         \
+      T* out, unsigned long long x, unsigned long long wg, unsigned long long wu,              \
+      unsigned long long xa, unsigned long long bg, unsigned long long bu, int M, int K,       \
+      int n, int r, float scale) {                                                             \
+    gemv_swiglu_impl<T>(out, PTR(T, x), M, K, PTR(T, wg), PTR(T, wu), n, PTR(float, xa),        \
+                        PTR(float, bg), PTR(float, bu), r, scale);                             \
+  }                                                                                            \
+  extern "C" __global__ void art_lora_down_##suffix(                                           \
+      float* out, unsigned long long x, unsigned long long a0, unsigned long long a1,          \
+      unsigned long long a2, int M, int K, int r, float unused) {                              \
+    lora_down_impl<T>(out, PTR(T, x), M, K, PTR(float, a0), PTR(float, a1), PTR(float, a2), r); \
+  }                                                                                            \
+  extern "C" __global__ void art_attend_split_##suffix(                                        \
+      float* out, unsigned long long q, unsigned long long table, int layer, int layers,       \
+      int B, int H, int kv, int hd, float unused) {                                            \
+    attend_split_impl<T>(out, PTR(T, q), (const long long*)table, layer, layers, B, H, kv, hd); \
+  }                                                                                            \
+  extern "C" __global__ void art_attend_combine_##suffix(                                      \
+      T* out, unsigned long long part, int H, int hd, float unused) {                          \
+    attend_combine_impl<T>(out, PTR(float, part), H, hd);                                      \
   }
 DECODE_EXPORTS(bf16, bf16_t)
 DECODE_EXPORTS(f32, float)

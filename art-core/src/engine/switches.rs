@@ -78,6 +78,11 @@ pub static CUDA_GRAPHS: Switch = Switch::new(
     true,
     "CUDA: replay each decode step from a graph captured per batch size and adapter; off: launch its kernels one by one",
 );
+pub static DECODE_GEMV: Switch = Switch::new(
+    "ART_DECODE_GEMV",
+    false,
+    "CUDA: our products for decode steps of up to 8 sequences (each weight read once for all rows, the LoRA update inside); off: cuBLAS",
+);
 pub static GPU_SAMPLE: Switch = Switch::new(
     "ART_GPU_SAMPLE",
     true,
@@ -100,13 +105,14 @@ pub static PROFILE_DECODE: Switch = Switch::new(
 );
 
 /// All of the engine's switches.
-pub static ALL: [&Switch; 10] = [
+pub static ALL: [&Switch; 11] = [
     &FUSED_OPS,
     &QGEMM,
     &SKINNY_MATMUL,
     &MANUAL_BACKWARD,
     &DECODE_KERNEL,
     &CUDA_GRAPHS,
+    &DECODE_GEMV,
     &GPU_SAMPLE,
     &CUDA_EVENTS,
     &CUDA_POOL_TRIM,
