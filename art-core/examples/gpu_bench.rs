@@ -605,12 +605,12 @@ fn packed(args: &Args, device: &Device) {
         let mut rates = Vec::new();
         for pack in [false, true] {
             let train_config = TrainConfig {
-                pack_sequences: pack,
+                pack_sequences: Some(pack),
                 micro_batch_tokens: args.micro_batch_tokens,
                 gradient_checkpointing: args.checkpointing,
                 ..Default::default()
             };
-            let plan = plan_micro_batches(&seqs, &train_config);
+            let plan = plan_micro_batches(&seqs, &train_config, device);
             let computed: usize = plan.iter().map(|mb| mb.rows.len() * mb.width).sum();
             let norm = Normalization::for_step(&seqs, &train_config);
             let monitor = PeakMemory::start(device);

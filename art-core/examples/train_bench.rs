@@ -185,7 +185,7 @@ fn main() {
         ..Default::default()
     };
     let norm = Normalization::for_step(&sequences, &train_config);
-    let batches = art_core::train::plan_micro_batches(&sequences, &train_config);
+    let batches = art_core::train::plan_micro_batches(&sequences, &train_config, &device);
     let named = adapter.named_vars();
     let tokens = args.batch * args.seq;
     println!(

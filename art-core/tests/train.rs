@@ -11,7 +11,7 @@ use tempfile::TempDir;
 use art_core::engine::chat_template::ChatTemplate;
 use art_core::engine::random::{RandomModelSpec, CHATML_END_ID};
 use art_core::engine::{
-    Architecture, DType, Engine, GenerationRequest, LoadOptions, LoraAdapter, ModelSource,
+    Architecture, DType, Device, Engine, GenerationRequest, LoadOptions, LoraAdapter, ModelSource,
     PackedBlock, SamplingParams, Tensor,
 };
 use art_core::train::{
@@ -282,13 +282,13 @@ fn group_prompts_are_shared_where_it_saves_work() {
         .all(|b| b.sequences.len() == 1 && b.len == 1050));
     // The trainer's plan: with sharing, one row of 130; without, 8 rows of 60.
     let config = TrainConfig::default();
-    let plan = plan_micro_batches(&short[..8], &config);
+    let plan = plan_micro_batches(&short[..8], &config, &Device::Cpu);
     assert_eq!((plan.len(), plan[0].rows.len(), plan[0].width), (1, 1, 130));
     let apart = TrainConfig {
         share_prefixes: false,
         ..config
     };
-    let plan = plan_micro_batches(&short[..8], &apart);
+    let plan = plan_micro_batches(&short[..8], &apart, &Device::Cpu);
     assert_eq!((plan[0].rows.len(), plan[0].width), (8, 60));
 }
 

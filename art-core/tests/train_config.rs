@@ -115,7 +115,7 @@ fn python_arts_default_settings_map_to_cispo_with_its_epsilons() {
     assert!(!custom.scale_rewards);
     assert_eq!(custom.micro_batch_tokens, 2048);
     assert_eq!(custom.packed_sequence_length, Some(2048));
-    assert!(custom.pack_sequences);
+    assert_eq!(custom.pack_sequences, Some(true));
     assert_eq!(custom.learning_rate, 1e-4);
 
     // ART's other loss options, with their names; a KL reference lag counts back from the

@@ -5,7 +5,7 @@
 
 use crate::engine::chat_template::{ChatTemplate, RenderOptions};
 use crate::engine::tool_calls::conversation_for_template;
-use crate::engine::Engine;
+use crate::engine::{Device, Engine};
 use crate::types::{
     AssistantTurns, ChatCompletionsExchange, Choice, Message, MessageOrChoice, SftConfig, Tool,
     TrainConfig, Trajectory, TrajectoryGroup,
@@ -592,8 +592,13 @@ pub fn row_positions(sequence: &TrainSequence) -> usize {
 /// The micro-batches of a step's `sequences` under `config`'s token budget: with
 /// `share_prefixes`, the sequences of a group that begin alike as blocks (see
 /// [`shared_prefix_blocks`]); with `pack_sequences`, blocks sharing rows of
-/// `packed_sequence_length` positions (by default the longest block's).
-pub fn plan_micro_batches(sequences: &[TrainSequence], config: &TrainConfig) -> Vec<MicroBatch> {
+/// `packed_sequence_length` positions (by default the longest block's). `device` is where the
+/// forward passes run (it decides `pack_sequences` when the config leaves it open).
+pub fn plan_micro_batches(
+    sequences: &[TrainSequence],
+    config: &TrainConfig,
+    device: &Device,
+) -> Vec<MicroBatch> {
     let blocks = if config.share_prefixes {
         shared_prefix_blocks(sequences, config.micro_batch_tokens)
     } else {
@@ -601,7 +606,8 @@ pub fn plan_micro_batches(sequences: &[TrainSequence], config: &TrainConfig) -> 
             .map(|i| Block::alone(i, row_positions(&sequences[i])))
             .collect()
     };
-    let row_width = config.pack_sequences.then(|| {
+    let pack = config.pack_sequences.unwrap_or(device.is_cpu());
+    let row_width = pack.then(|| {
         config
             .packed_sequence_length
             .unwrap_or_else(|| blocks.iter().map(|b| b.len).max().unwrap_or(1))

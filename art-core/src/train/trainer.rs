@@ -306,7 +306,7 @@ impl Trainer {
         }
         let sequences = &batch.sequences;
         let normalization = Normalization::for_step(sequences, config);
-        let micro_batches = plan_micro_batches(sequences, config);
+        let micro_batches = plan_micro_batches(sequences, config, self.engine.device());
         let total_trainable: usize = sequences.iter().map(|s| s.num_trainable()).sum();
         let num_tokens: usize = sequences.iter().map(TrainSequence::len).sum();
         let next_step = self.step + 1;
@@ -514,7 +514,7 @@ impl Trainer {
             let learning_rate = config.learning_rate.of_batch(b);
             let loss_config = cross_entropy_config(config, learning_rate);
             let normalization = Normalization::for_step(sequences, &loss_config);
-            let micro_batches = plan_micro_batches(sequences, &loss_config);
+            let micro_batches = plan_micro_batches(sequences, &loss_config, self.engine.device());
             let update = self.update(
                 sequences,
                 &micro_batches,

@@ -339,7 +339,7 @@ impl ExperimentalConfig {
         // ART packs sequences into rows of this many tokens and runs one row per forward pass:
         // the same here.
         if let Some(tokens) = self.packed_sequence_length {
-            config.pack_sequences = true;
+            config.pack_sequences = Some(true);
             config.packed_sequence_length = Some(tokens);
             config.micro_batch_tokens = tokens;
         }
