@@ -793,7 +793,7 @@ __device__ void add_rms_norm_impl(T* out, const T* x, const T* y, const T* w, in
 #define GEMV_ROWS 8
 
 __device__ __forceinline__ void load16(const bf16_t* p, float* f) {
-  uint4 u = __ldg((const uint4*)p);
+  uint4 u = *(const uint4*)p;
   unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -802,39 +802,18 @@ __device__ __forceinline__ void load16(const bf16_t* p, float* f) {
   }
 }
 __device__ __forceinline__ void load16(const float* p, float* f) {
-  float4 u = __ldg((const float4*)p);
+  float4 u = *(const float4*)p;
   f[0] = u.x; f[1] = u.y; f[2] = u.z; f[3] = u.w;
 }
 
-// acc[m] = x[m, :] . w[:] for m < M, summed over the warp (every lane gets it). Each lane issues
-// GEMV_UNROLL 16-byte weight loads before it uses any: one load in flight per lane left the
-// memory system idle (a warp's whole row of a 0.5B model's weight is one such round).
-#define GEMV_UNROLL 4
+// acc[m] = x[m, :] . w[:] for m < M, summed over the warp (every lane gets it).
 template <typename T>
 __device__ __forceinline__ void warp_dots(const T* x, int K, const T* w, int M, float* acc) {
-  const int V = 16 / sizeof(T), step = 32 * V;
+  const int V = 16 / sizeof(T);
   int lane = threadIdx.x % 32;
 #pragma unroll
   for (int m = 0; m < GEMV_ROWS; ++m) acc[m] = 0.f;
-  int k = lane * V;
-  for (; k + (GEMV_UNROLL - 1) * step < K; k += GEMV_UNROLL * step) {
-    float wf[GEMV_UNROLL][V];
-#pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) load16(w + k + u * step, wf[u]);
-#pragma unroll
-    for (int m = 0; m < GEMV_ROWS; ++m) {
-      if (m < M) {
-#pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-          float xf[V];
-          load16(x + (size_t)m * K + k + u * step, xf);
-#pragma unroll
-          for (int i = 0; i < V; ++i) acc[m] += wf[u][i] * xf[i];
-        }
-      }
-    }
-  }
-  for (; k < K; k += step) {
+  for (int k = lane * V; k < K; k += 32 * V) {
     float wf[V];
     load16(w + k, wf);
 #pragma unroll
