@@ -1072,6 +1072,7 @@ extern "C" __global__ void art_decode_attn_f32(const float* q, float* out,
 #[cfg(feature = "cuda")]
 const MODULE: &str = "art_decode";
 /// Threads per block of the attention kernel.
+#[cfg(feature = "cuda")]
 const THREADS: u32 = 256;
 
 /// PTX compiled once per process.
