@@ -174,12 +174,14 @@ impl candle_core::CustomOp2 for SampleOp {
         let (logits, params) = (logits.slice(a0..a1), params.slice(p0..p1));
         let dev = s1.device.clone();
         let chunks = v.div_ceil(CHUNK);
-        // SAFETY (the four allocations): uninitialised, and each is written in full before it
-        // is read: pass 1 writes every chunk's max and index, pass 2 every chunk's sum, pass 3
-        // every row's four values.
+        // The four buffers are uninitialised, and each is written in full before it is read.
+        // SAFETY: pass 1 writes every chunk's max before pass 2 reads them.
         let chunk_max = unsafe { dev.alloc::<f32>(b * chunks)? };
+        // SAFETY: pass 1 writes every chunk's index before pass 3 reads them.
         let chunk_idx = unsafe { dev.alloc::<i32>(b * chunks)? };
+        // SAFETY: pass 2 writes every chunk's sum before pass 3 reads them.
         let chunk_sum = unsafe { dev.alloc::<f64>(b * chunks)? };
+        // SAFETY: pass 3 writes every row's four values; nothing reads them before.
         let out = unsafe { dev.alloc::<f64>(4 * b)? };
         let (v, n_chunks) = (v as i32, chunks as i32);
         let chunk_grid = LaunchConfig {
