@@ -238,28 +238,18 @@ pub(crate) fn gemv(
         w[i] = device_address(t)?;
         widths[i] = int(n[i])?;
     }
-    let down = lora
-        .map(|(pairs, scale)| lora_down(x, pairs, scale))
-        .transpose()?;
-    let (xa, b, r, scale) = match &down {
-        Some(d) => (device_address(&d.xa)?, d.b, d.rank, d.scale),
-        None => (0, [0; 3], 0, 0.0),
-    };
+    let down = LoraDown::of(x, lora)?;
+    let (xa, b) = (down.xa_address()?, down.b);
     let addresses = [device_address(x)?, w[0], w[1], w[2], xa, b[0], b[1], b[2]];
-    let ints = [int(m)?, int(k)?, widths[0], widths[1], widths[2], int(r)?];
-    let out = x.apply_op1_no_bwd(&RawLaunch {
-        kernel: "gemv",
-        addresses: &addresses,
-        ints: &ints,
-        float: scale,
-        out_shape: (m, total).into(),
-        out_f32: false,
-        grid: (total.div_ceil(GEMV_WARPS) as u32, 1, 1),
-        threads: 32 * GEMV_WARPS as u32,
-        shared_bytes: 0,
-    })?;
-    drop(down);
-    Ok(out)
+    let ints = [
+        int(m)?,
+        int(k)?,
+        widths[0],
+        widths[1],
+        widths[2],
+        int(down.rank)?,
+    ];
+    launch_gemv(x, "gemv", &addresses, &ints, down.scale, (m, total))
 }
 
 /// `silu(x gate^T) * (x up^T)` for `x` `[M, K]`, `gate`, `up` `[N, K]`: `[M, N]`, one kernel (plus
@@ -272,13 +262,8 @@ pub(crate) fn gemv_swiglu(
 ) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
     let n = gate.dim(0)?;
-    let down = lora
-        .map(|(pairs, scale)| lora_down(x, pairs, scale))
-        .transpose()?;
-    let (xa, b, r, scale) = match &down {
-        Some(d) => (device_address(&d.xa)?, d.b, d.rank, d.scale),
-        None => (0, [0; 3], 0, 0.0),
-    };
+    let down = LoraDown::of(x, lora)?;
+    let (xa, b) = (down.xa_address()?, down.b);
     let addresses = [
         device_address(x)?,
         device_address(gate)?,
@@ -287,33 +272,63 @@ pub(crate) fn gemv_swiglu(
         b[0],
         b[1],
     ];
-    let ints = [int(m)?, int(k)?, int(n)?, int(r)?];
-    let out = x.apply_op1_no_bwd(&RawLaunch {
-        kernel: "gemv_swiglu",
-        addresses: &addresses,
-        ints: &ints,
-        float: scale,
-        out_shape: (m, n).into(),
-        out_f32: false,
-        grid: (n.div_ceil(GEMV_WARPS) as u32, 1, 1),
-        threads: 32 * GEMV_WARPS as u32,
-        shared_bytes: 0,
-    })?;
-    drop(down);
-    Ok(out)
+    let ints = [int(m)?, int(k)?, int(n)?, int(down.rank)?];
+    launch_gemv(x, "gemv_swiglu", &addresses, &ints, down.scale, (m, n))
 }
 
 /// Output columns per block of the decode products (one warp each).
 const GEMV_WARPS: usize = 4;
 
+/// One of the decode products' kernels: a warp per output column of the `[rows, cols]` output.
+fn launch_gemv(
+    x: &Tensor,
+    kernel: &'static str,
+    addresses: &[u64],
+    ints: &[i32],
+    lora_scale: f32,
+    (rows, cols): (usize, usize),
+) -> Result<Tensor> {
+    Ok(x.apply_op1_no_bwd(&RawLaunch {
+        kernel,
+        addresses,
+        ints,
+        float: lora_scale,
+        out_shape: (rows, cols).into(),
+        out_f32: false,
+        grid: (cols.div_ceil(GEMV_WARPS) as u32, 1, 1),
+        threads: 32 * GEMV_WARPS as u32,
+        shared_bytes: 0,
+    })?)
+}
+
 /// The rows' products with the LoRA A matrices (`[M, 3r]`, f32), with the B matrices' addresses
-/// (0 for a weight without an adapter pair); the tensors stay alive with it.
+/// (0 for a weight without an adapter pair); the tensors stay alive with it, until the product
+/// that reads them is launched. Without an adapter: no product, zero addresses, rank 0.
 struct LoraDown {
-    xa: Tensor,
+    xa: Option<Tensor>,
     b: [u64; 3],
     rank: usize,
     scale: f32,
     _keep: Vec<Tensor>,
+}
+
+impl LoraDown {
+    fn of(x: &Tensor, lora: Option<(&[Option<LoraF32>], f64)>) -> Result<LoraDown> {
+        match lora {
+            Some((pairs, scale)) => lora_down(x, pairs, scale),
+            None => Ok(LoraDown {
+                xa: None,
+                b: [0; 3],
+                rank: 0,
+                scale: 0.0,
+                _keep: Vec::new(),
+            }),
+        }
+    }
+
+    fn xa_address(&self) -> Result<u64> {
+        self.xa.as_ref().map_or(Ok(0), device_address)
+    }
 }
 
 fn lora_down(x: &Tensor, pairs: &[Option<LoraF32>], scale: f64) -> Result<LoraDown> {
@@ -353,7 +368,7 @@ fn lora_down(x: &Tensor, pairs: &[Option<LoraF32>], scale: f64) -> Result<LoraDo
         shared_bytes: 0,
     })?;
     Ok(LoraDown {
-        xa,
+        xa: Some(xa),
         b,
         rank,
         scale: scale as f32,

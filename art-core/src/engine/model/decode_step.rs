@@ -99,27 +99,22 @@ impl Model {
                 scale as f32,
             )?;
             let attended = cuda_decode::attend_cached(plan, i, &q, dims)?;
-            let wo = a.o_proj.weight();
-            let o = match decode_lora(fwd, i, &[Proj::O]) {
-                Some(lora)
-                    if a.o_proj.bias().is_none() && cuda_decode::gemv_applies(&attended, &[wo]) =>
-                {
-                    cuda_decode::gemv(&attended, &[wo], as_arg(&lora))?
-                }
-                _ => fwd.linear(&a.o_proj, &attended, i, Proj::O)?,
-            }
-            .reshape((b, 1, hidden_size))?;
+            let o = decode_product(fwd, &a.o_proj, &attended, i, Proj::O)?.reshape((
+                b,
+                1,
+                hidden_size,
+            ))?;
             let post = &layer.post_attention_layernorm;
             let (mid, normed) = cuda_decode::add_rms_norm(&x, &o, &post.weight, post.eps)?;
             let mlp = &layer.mlp;
             let normed2 = normed.reshape((b, hidden_size))?;
-            let (wg, wu, wd) = (
-                mlp.gate_proj.weight(),
-                mlp.up_proj.weight(),
-                mlp.down_proj.weight(),
-            );
+            let (wg, wu) = (mlp.gate_proj.weight(), mlp.up_proj.weight());
             let hidden = match decode_lora(fwd, i, &[Proj::Gate, Proj::Up]) {
-                Some(lora) if cuda_decode::gemv_applies(&normed2, &[wg, wu]) => {
+                Some(lora)
+                    if mlp.gate_proj.bias().is_none()
+                        && mlp.up_proj.bias().is_none()
+                        && cuda_decode::gemv_applies(&normed2, &[wg, wu]) =>
+                {
                     cuda_decode::gemv_swiglu(&normed2, wg, wu, as_arg(&lora))?
                 }
                 _ => {
@@ -128,13 +123,11 @@ impl Model {
                     ops::silu_mul(&gate, &up)?
                 }
             };
-            let down = match decode_lora(fwd, i, &[Proj::Down]) {
-                Some(lora) if cuda_decode::gemv_applies(&hidden, &[wd]) => {
-                    cuda_decode::gemv(&hidden, &[wd], as_arg(&lora))?
-                }
-                _ => fwd.linear(&mlp.down_proj, &hidden, i, Proj::Down)?,
-            }
-            .reshape((b, 1, hidden_size))?;
+            let down = decode_product(fwd, &mlp.down_proj, &hidden, i, Proj::Down)?.reshape((
+                b,
+                1,
+                hidden_size,
+            ))?;
             // The residual add that ends this layer, with the norm that starts the next one
             // (after the last layer, the final norm).
             let next = self
@@ -173,6 +166,24 @@ impl Model {
             x = layer.forward(&x, &step, None, Some(plan), fwd)?;
         }
         Ok(x)
+    }
+}
+
+/// `x` `[B, in]` times one projection (with its adapter pair): our few-row product where it
+/// applies (no bias: the kernel adds none), else `fwd.linear`.
+fn decode_product(
+    fwd: &Forward,
+    linear: &Linear,
+    x: &Tensor,
+    layer: usize,
+    proj: Proj,
+) -> Result<Tensor> {
+    let w = linear.weight();
+    match decode_lora(fwd, layer, &[proj]) {
+        Some(lora) if linear.bias().is_none() && cuda_decode::gemv_applies(x, &[w]) => {
+            cuda_decode::gemv(x, &[w], as_arg(&lora))
+        }
+        _ => fwd.linear(linear, x, layer, proj),
     }
 }
 
