@@ -3,7 +3,7 @@
 //! trained model's after.
 //!
 //! scripts/main-job.sh [--steps N] [--groups N] [--group-size N] [--learning-rate X]
-//!     [--loss ppo|cispo] [--temperature T] [--eval N] [--seed N]
+//!     [--loss ppo|cispo] [--temperature T] [--eval N] [--seed N] [--device cpu|cuda|cuda:N]
 //!
 //! `--seed` picks other training sums and sampling seeds (the held-out sums stay the same), to
 //! measure how much a result owes to luck.
@@ -89,6 +89,8 @@ struct Settings {
     temperature: f64,
     eval: usize,
     seed: u64,
+    /// `art serve --device` (default: the backend's, the CPU).
+    device: Option<String>,
 }
 
 impl Settings {
@@ -106,6 +108,7 @@ impl Settings {
             temperature: 1.0,
             eval: 32,
             seed: 0,
+            device: None,
         };
         let args: Vec<String> = std::env::args().skip(1).collect();
         for pair in args.chunks(2) {
@@ -124,8 +127,9 @@ impl Settings {
                 "--temperature" => settings.temperature = value.parse()?,
                 "--eval" => settings.eval = value.parse()?,
                 "--seed" => settings.seed = value.parse()?,
+                "--device" => settings.device = Some(value.clone()),
                 other => anyhow::bail!(
-                    "unknown option `{other}` (use --steps, --groups, --group-size, --learning-rate, --loss, --temperature, --eval, --seed)"
+                    "unknown option `{other}` (use --steps, --groups, --group-size, --learning-rate, --loss, --temperature, --eval, --seed, --device)"
                 ),
             }
         }
@@ -138,6 +142,9 @@ async fn main() -> anyhow::Result<()> {
     let settings = Settings::from_args()?;
     let mut options = LocalBackendOptions::default_model()?;
     options.art_dir = ".art".into();
+    if let Some(device) = &settings.device {
+        options.extra_args = vec!["--device".into(), device.clone()];
+    }
     let started = Instant::now();
     let backend = LocalBackend::start(options).await?;
     println!("backend ready in {:.1?}", started.elapsed());
@@ -157,9 +164,21 @@ async fn main() -> anyhow::Result<()> {
         loss_fn: settings.loss_fn,
         ..Default::default()
     };
+    // Each step's time, split: rollouts (sampling, as the client waits for them), training (the
+    // trainer's step on the server, of which `train t/s` counts the forward/backward/optimizer
+    // part), and the rest of the train call (writing the checkpoint, loading it for serving).
     println!(
-        "{:>4}  {:>7}  {:>6}  {:>8}  {:>8}  {:>9}  {:>8}",
-        "step", "reward", "std", "loss", "grad", "train t/s", "seconds"
+        "{:>4}  {:>7}  {:>6}  {:>8}  {:>8}  {:>9}  {:>8}  {:>7}  {:>7}  {:>8}",
+        "step",
+        "reward",
+        "std",
+        "loss",
+        "grad",
+        "train t/s",
+        "rollouts",
+        "train",
+        "ckpt",
+        "seconds"
     );
     for step in 0..settings.steps {
         let step_started = Instant::now();
@@ -181,20 +200,26 @@ async fn main() -> anyhow::Result<()> {
             GatherOptions::new().description(format!("step {} rollouts", step + 1)),
         )
         .await?;
+        let rollouts_s = step_started.elapsed().as_secs_f64();
         if step == 0 {
             print_samples(&groups[0]);
         }
         model.log(&groups, Split::Train).await?;
+        let train_started = Instant::now();
         let result = model.train(&groups, &config).await?;
+        let train_call_s = train_started.elapsed().as_secs_f64();
         let m = &result.metrics;
         println!(
-            "{:>4}  {:>7.3}  {:>6.3}  {:>8.4}  {:>8.3}  {:>9.1}  {:>8.1}",
+            "{:>4}  {:>7.3}  {:>6.3}  {:>8.4}  {:>8.3}  {:>9.1}  {:>8.1}  {:>7.1}  {:>7.2}  {:>8.1}",
             result.step,
             m.reward,
             m.reward_std,
             m.loss,
             m.grad_norm,
             m.tokens_per_second,
+            rollouts_s,
+            m.duration_s,
+            (train_call_s - m.duration_s).max(0.0),
             step_started.elapsed().as_secs_f64()
         );
     }
