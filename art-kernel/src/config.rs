@@ -39,7 +39,7 @@ pub struct KernelConfig {
     pub art_core: ArtCoreSource,
     /// Compiled dependencies and per-kernel build directories (`slots/N`).
     pub cache_dir: PathBuf,
-    /// Optimisation of cell code (dependencies are always built at opt-level 3).
+    /// Optimisation of cell code (dependencies are always built at opt-level 1).
     pub cell_opt_level: String,
     /// Never touch the network from cells' builds (set once the cache is warm).
     pub offline: bool,
@@ -235,7 +235,10 @@ impl KernelConfig {
 
     /// Cargo configuration above the build directories: the toolkit and its dependencies are
     /// compiled optimised, whatever level cells use, and without debug assertions (std's
-    /// precondition checks inside every SIMD kernel halved candle's CPU matmul), as in the workspace.
+    /// precondition checks inside every SIMD kernel halved candle's CPU matmul, when cells still
+    /// compiled the engine). At opt-level 1, not 3: cells get art-core's client side (HTTP,
+    /// JSON, DataFrames of a few hundred rows, charts), whose work is waiting on the backend,
+    /// and a cold install took 552 s instead of 767 s on two cores.
     fn write_cargo_config(&self) -> Result<()> {
         let dir = self.cache_dir.join(".cargo");
         std::fs::create_dir_all(&dir)
@@ -243,7 +246,7 @@ impl KernelConfig {
         std::fs::write(
             dir.join("config.toml"),
             "# Written by art-kernel: dependencies of notebook cells are compiled once, optimised.\n\
-             [profile.dev.package.\"*\"]\nopt-level = 3\ndebug = false\ndebug-assertions = false\n",
+             [profile.dev.package.\"*\"]\nopt-level = 1\ndebug = false\ndebug-assertions = false\n",
         )?;
         Ok(())
     }
