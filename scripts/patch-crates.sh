@@ -12,6 +12,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CARGO_HOME="${CARGO_HOME:-$HOME/.cargo}"
+# Each crate's scratch directory, removed however the script ends (a failed check exits early).
+TMPS=()
+trap 'rm -rf "${TMPS[@]}"' EXIT
 
 # patch_crate NAME VERSION SHA256 PATCH_DIR: SHA256 is the released crate file's, as crates.io's
 # index (and Cargo.lock before the patch) lists it.
@@ -32,6 +35,7 @@ patch_crate() {
   local crate tmp
   crate="$(find_crate)"
   tmp="$(mktemp -d)"
+  TMPS+=("$tmp")
   if [ -z "$crate" ]; then
     # Let cargo download it, through whatever registry configuration this machine has: a
     # throwaway package outside the workspace (so that our [patch] does not apply) depending on it.
@@ -62,7 +66,6 @@ patch_crate() {
   rm -rf "$dest"
   mkdir -p "$(dirname "$dest")"
   mv "$tmp/$name-$version" "$dest"
-  rm -rf "$tmp"
   echo "$want" > "$stamp"
   echo "patched: patched-by-scripts-patch-crates.sh/$name ($(ls "$patches"/*.patch | wc -l) changes)"
 }
