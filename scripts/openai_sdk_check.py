@@ -23,6 +23,10 @@ def main(base_url: str, model: str, api_key: str) -> None:
     # Our extension: the sampled token ids come along (the SDK keeps unknown fields).
     token_ids = choice.model_extra["token_ids"]
     assert len(token_ids) == done.usage.completion_tokens, (token_ids, done.usage)
+    # The same prompt again comes from the server's prefix cache, reported as OpenAI does.
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=8, seed=1)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens, again.usage
+    assert again.choices[0].message.content == choice.message.content, again.choices[0]
 
     # Streaming gives the same text as the same seeded request in one piece.
     pieces, finish = [], None

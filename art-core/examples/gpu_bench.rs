@@ -8,7 +8,7 @@
 //! LD_LIBRARY_PATH=/usr/local/cuda/lib64 gpu_bench all
 //! gpu_bench decode --shapes qwen2.5-0.5b --batches 1,16,64 --prompt 128 --tokens 256
 //! gpu_bench decode --compare-hf     # and compiled HF (scripts/hf_decode_reference.py), ratios
-//! gpu_bench grpo --shapes qwen2.5-1.5b   # 16 prompts x 8 rollouts, shared prefill or not
+//! gpu_bench grpo --shapes qwen2.5-1.5b   # 16 prompts x 8 rollouts: n = 8, prefix cache on, off
 //! gpu_bench train --shapes qwen2.5-7b --batch 8 --seq 512 --iters 3
 //! gpu_bench packed --shapes qwen2.5-1.5b   # 64 sequences of 64-1024 tokens, packed or not
 //! gpu_bench parity
@@ -300,9 +300,11 @@ fn decode(args: &Args, device: &Device) {
     }
 }
 
-/// A GRPO-shaped rollout batch: 16 prompts of 512 tokens, 8 rollouts of 256 tokens each, as
-/// one request per prompt with `n = 8` (the prompt prefilled once, its cache copied for each
-/// rollout) and as 128 independent requests (every rollout prefills its prompt).
+/// A GRPO-shaped rollout batch: 16 prompts of 512 tokens, 8 rollouts of 256 tokens each, sent
+/// three ways: one request per prompt with `n = 8` (the prompt prefilled once, its cache copied
+/// for each rollout); 128 independent requests, as ART's clients send a group, with the prefix
+/// cache finding each group's prompt; and the same 128 requests with the cache off (every rollout
+/// prefills its prompt). Fresh prompts for every run, as every GRPO step brings new ones.
 fn grpo(args: &Args, device: &Device) {
     let baseline = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
     for shape in &args.shapes {
@@ -315,11 +317,11 @@ fn grpo(args: &Args, device: &Device) {
         // smoke test on the tiny shape).
         let context = engine.config().max_position_embeddings;
         let prompt_len = 512.min(context.saturating_sub(257)).max(1);
-        let prompts: Vec<Vec<u32>> = (0..16)
-            .map(|_| (0..prompt_len).map(|_| ids.next(vocab)).collect())
-            .collect();
-        let mut scheduler = engine.scheduler();
-        let mut run = |shared: bool, tokens: usize| {
+        // A scheduler with the prefix cache and one without (each keeps the CUDA graphs its
+        // warm-up captured).
+        let mut schedulers = [engine.scheduler(), engine.scheduler()];
+        schedulers[1].set_prefix_cache_budget(0);
+        let mut run = |scheduler: &mut art_core::engine::Scheduler<'_>, n: usize, tokens: usize| {
             let params = |n: usize, seed: u64| SamplingParams {
                 temperature: 1.0,
                 seed: Some(seed),
@@ -328,17 +330,13 @@ fn grpo(args: &Args, device: &Device) {
                 n,
                 ..Default::default()
             };
-            for (p, prompt) in prompts.iter().enumerate() {
-                let requests: Vec<SamplingParams> = if shared {
-                    vec![params(8, p as u64)]
-                } else {
-                    (0..8).map(|k| params(1, (8 * p + k) as u64)).collect()
-                };
-                for params in requests {
+            for p in 0..16u64 {
+                let prompt: Vec<u32> = (0..prompt_len).map(|_| ids.next(vocab)).collect();
+                for k in 0..(8 / n) as u64 {
                     scheduler
                         .add(GenerationRequest {
                             prompt: prompt.clone(),
-                            params,
+                            params: params(n, 8 * p + k),
                             adapter: None,
                         })
                         .unwrap();
@@ -346,20 +344,32 @@ fn grpo(args: &Args, device: &Device) {
             }
             let t0 = Instant::now();
             let mut generated = 0;
+            let mut cached = 0;
             while !scheduler.is_idle() {
                 generated += scheduler.step().unwrap().len();
+                cached += scheduler
+                    .take_finished()
+                    .iter()
+                    .map(|(_, o)| o.cached_prompt_tokens)
+                    .sum::<usize>();
             }
-            scheduler.take_finished();
-            (generated, t0.elapsed().as_secs_f64())
+            (generated, cached, t0.elapsed().as_secs_f64())
         };
+        // (what, n, which scheduler)
+        let ways = [
+            ("one request per group (n = 8)", 8, 0),
+            ("128 requests, prefix cache on", 1, 0),
+            ("128 requests, prefix cache off", 1, 1),
+        ];
         // Warm-up (kernels, graphs of the batch sizes this shape of work meets).
-        run(true, 8);
-        run(false, 8);
-        for shared in [true, false] {
+        for &(_, n, s) in &ways {
+            run(&mut schedulers[s], n, 8);
+        }
+        for &(way, n, s) in &ways {
             if let Some(m) = &monitor {
                 m.reset(device);
             }
-            let (generated, seconds) = run(shared, 256);
+            let (generated, cached, seconds) = run(&mut schedulers[s], n, 256);
             let peak = monitor.as_ref().map_or("-".to_string(), |m| {
                 format!(
                     "{:.2} GB above the weights",
@@ -367,14 +377,12 @@ fn grpo(args: &Args, device: &Device) {
                 )
             });
             println!(
-                "GRPO {shape} 16 prompts x {prompt_len} tokens, 8 rollouts x 256 tokens, {}: {seconds:.2} s, \
-                 {:.0} sampled tok/s; peak {peak}",
-                if shared {
-                    "prompt prefilled once per group (n = 8)"
-                } else {
-                    "every rollout its own request"
-                },
+                "GRPO {shape} 16 prompts x {prompt_len} tokens, 8 rollouts x 256 tokens, {way}: \
+                 {seconds:.2} s, {:.0} sampled tok/s, {cached} of {} prompt tokens not prefilled; \
+                 peak {peak}, prefix cache {:.2} GB after",
                 generated as f64 / seconds,
+                16 * prompt_len * 8 / n,
+                gb(schedulers[s].prefix_cache_bytes()),
             );
         }
     }

@@ -656,3 +656,121 @@ fn invalid_requests_are_errors_not_panics() {
     };
     assert!(bad(vec![1], n0).contains("n must be"));
 }
+
+/// Runs `requests` added together on `scheduler` to their end; outputs in request order.
+fn run_all(
+    scheduler: &mut art_core::engine::Scheduler<'_>,
+    requests: Vec<GenerationRequest>,
+) -> Vec<art_core::engine::GenerationOutput> {
+    let ids: Vec<_> = requests
+        .into_iter()
+        .map(|r| scheduler.add(r).unwrap())
+        .collect();
+    let mut done = std::collections::HashMap::new();
+    while !scheduler.is_idle() {
+        scheduler.step().unwrap();
+        done.extend(scheduler.take_finished());
+    }
+    ids.iter().map(|id| done.remove(id).unwrap()).collect()
+}
+
+fn assert_same_completion(
+    a: &art_core::engine::GenerationOutput,
+    b: &art_core::engine::GenerationOutput,
+    tolerance: f32,
+) {
+    for (a, b) in a.completions.iter().zip(&b.completions) {
+        assert_eq!(a.token_ids(), b.token_ids());
+        for (x, y) in a.logprobs().iter().zip(b.logprobs()) {
+            assert!((x - y).abs() <= tolerance, "logprob {x} vs {y}");
+        }
+    }
+}
+
+/// The prefix cache: a repeated prompt (a GRPO group's rollouts sent as separate requests) is not
+/// prefilled again and samples what a fresh prefill does; an agent's next turn (the
+/// conversation so far, then more) prefills only what is new; an adapter's entries serve only it.
+/// ~1 s.
+#[test]
+fn repeated_and_extended_prompts_reuse_the_prefix_cache() {
+    let (_dir, engine) = tiny(Architecture::Qwen2);
+    let fresh = |r: GenerationRequest| engine.generate(vec![r]).unwrap().remove(0);
+    let prompt = engine
+        .encode(
+            "<|im_start|>user\nthe cat sat on the mat, and the dog sat on the log, and then \
+             they both went to sleep in the sun<|im_end|>\n<|im_start|>assistant\n",
+            false,
+        )
+        .unwrap();
+    assert!(prompt.len() > 40, "{} tokens", prompt.len());
+    let sampled = |seed| SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        max_tokens: 12,
+        ignore_eos: true,
+        logprobs: true,
+        ..Default::default()
+    };
+    let mut scheduler = engine.scheduler();
+
+    // A group of three rollouts in one step: the prompt is prefilled once.
+    let group: Vec<_> = (0..3)
+        .map(|s| request(prompt.clone(), sampled(s)))
+        .collect();
+    let outputs = run_all(&mut scheduler, group.clone());
+    let cached: Vec<usize> = outputs.iter().map(|o| o.cached_prompt_tokens).collect();
+    assert_eq!(cached, vec![0, prompt.len(), prompt.len()]);
+    for (output, request) in outputs.iter().zip(&group) {
+        assert_same_completion(output, &fresh(request.clone()), 1e-5);
+    }
+
+    // The same prompt later: found whole, nothing prefilled, the same samples exactly.
+    let again = run_all(&mut scheduler, vec![group[1].clone()]).remove(0);
+    assert_eq!(again.cached_prompt_tokens, prompt.len());
+    assert_same_completion(&again, &outputs[1], 1e-5);
+
+    // The next turn: the conversation so far (prompt and answer), then a new user message.
+    let mut next_turn = prompt.clone();
+    next_turn.extend(outputs[2].completions[0].token_ids());
+    next_turn.extend(
+        engine
+            .encode("<|im_end|>\n<|im_start|>user\nand then?", false)
+            .unwrap(),
+    );
+    let next = request(next_turn.clone(), greedy_ignoring_eos(12));
+    let reused = run_all(&mut scheduler, vec![next.clone()]).remove(0);
+    // Everything the answer's cache holds: the prompt and all but the last sampled token.
+    assert_eq!(reused.cached_prompt_tokens, prompt.len() + 11);
+    assert_same_completion(&reused, &fresh(next), 1e-4);
+
+    // An adapter's requests do not use the base model's entries, nor a replaced adapter's.
+    let adapter = LoraAdapter::new(engine.config(), &lora_config(), engine.device(), 1).unwrap();
+    perturb(&adapter);
+    engine.set_adapter("tiny@1", Arc::new(adapter)).unwrap();
+    let adapted = GenerationRequest {
+        adapter: Some("tiny@1".into()),
+        ..group[0].clone()
+    };
+    let first = run_all(&mut scheduler, vec![adapted.clone()]).remove(0);
+    assert_eq!(first.cached_prompt_tokens, 0);
+    assert_ne!(
+        first.completions[0].token_ids(),
+        outputs[0].completions[0].token_ids()
+    );
+    let repeat = run_all(&mut scheduler, vec![adapted.clone()]).remove(0);
+    assert_eq!(repeat.cached_prompt_tokens, prompt.len());
+    assert_same_completion(&repeat, &first, 1e-5);
+    let other = LoraAdapter::new(engine.config(), &lora_config(), engine.device(), 2).unwrap();
+    engine.set_adapter("tiny@1", Arc::new(other)).unwrap();
+    let replaced = run_all(&mut scheduler, vec![adapted.clone()]).remove(0);
+    assert_eq!(replaced.cached_prompt_tokens, 0);
+
+    // A budget of 0 turns sharing off: every request is prefilled, with the same results.
+    scheduler.set_prefix_cache_budget(0);
+    run_all(&mut scheduler, vec![group[0].clone()]);
+    let off = run_all(&mut scheduler, group.clone());
+    for (off, shared) in off.iter().zip(&outputs) {
+        assert_eq!(off.cached_prompt_tokens, 0);
+        assert_same_completion(off, shared, 1e-5);
+    }
+}

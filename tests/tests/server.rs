@@ -47,6 +47,15 @@ async fn a_chat_completion_has_the_openai_shape_and_token_ids() {
         ids.len()
     );
     assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > 3);
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // The same request again: its prompt comes from the prefix cache (OpenAI's `cached_tokens`),
+    // and the seeded answer is the same.
+    let (_, again) = post(&server, chat(json!({"seed": 1}))).await;
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"],
+        body["usage"]["prompt_tokens"]
+    );
+    assert_eq!(again["choices"][0]["token_ids"], choice["token_ids"]);
     // Parses as our Choice, as a rollout would.
     let parsed: art_core::ChatCompletion = serde_json::from_value(body.clone()).unwrap();
     assert_eq!(
@@ -173,7 +182,14 @@ async fn streaming_sends_the_same_text_in_chunks() {
         last_choice["choices"][0]["token_ids"],
         whole["choices"][0]["token_ids"]
     );
-    assert_eq!(chunks.last().unwrap()["usage"], whole["usage"]);
+    // The same counts, except that the streamed request found its prompt in the prefix cache.
+    let mut usage = chunks.last().unwrap()["usage"].clone();
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"],
+        usage["prompt_tokens"]
+    );
+    usage["prompt_tokens_details"]["cached_tokens"] = json!(0);
+    assert_eq!(usage, whole["usage"]);
 }
 
 /// A stop string is settled once, by the scheduler: the text ends before its first occurrence,

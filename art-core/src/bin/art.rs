@@ -59,6 +59,11 @@ struct ServeArgs {
     /// Tokens generated when a request sets no max_tokens.
     #[arg(long, default_value_t = 1024)]
     default_max_tokens: usize,
+    /// MiB of keys and values kept for prompts seen before, so that a GRPO group's rollouts and
+    /// an agent's next turn do not prefill them again (0: off). Default: 256 on the CPU, 2048 on
+    /// a GPU.
+    #[arg(long)]
+    prefix_cache_mib: Option<usize>,
     /// Where trained models, their history and checkpoints are kept.
     #[arg(long, default_value = ".art", env = "ART_DIR")]
     art_dir: PathBuf,
@@ -149,6 +154,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 default_max_tokens: args.default_max_tokens,
                 art_dir: args.art_dir,
                 quantized: args.quantized,
+                prefix_cache_mib: args.prefix_cache_mib,
                 load,
             })
             .await

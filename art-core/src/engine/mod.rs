@@ -34,6 +34,7 @@ mod load;
 mod lora;
 mod model;
 pub(crate) mod ops;
+mod prefix_cache;
 pub mod process;
 #[cfg(target_arch = "x86_64")]
 mod qgemm;
@@ -256,6 +257,15 @@ impl Engine {
             .expect("adapter registry poisoned")
             .get(name)
             .cloned()
+    }
+
+    /// Whether `adapter` is still registered (under any name).
+    pub(crate) fn is_loaded(&self, adapter: &Arc<LoraAdapter>) -> bool {
+        self.adapters
+            .read()
+            .expect("adapter registry poisoned")
+            .values()
+            .any(|a| Arc::ptr_eq(a, adapter))
     }
 
     pub fn adapter_names(&self) -> Vec<String> {

@@ -7,7 +7,7 @@
 //! come in, `step` in a loop, and `take_finished` to answer them; [`Engine::generate`] is that
 //! loop for a fixed set of requests.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,6 +19,7 @@ use super::cuda_sample;
 use super::error::{EngineError, Result};
 use super::lora::LoraAdapter;
 use super::model::{DecodeGraphs, Forward, KvCache};
+use super::prefix_cache::{PrefixCache, Reuse, MIN_SHARED_PREFIX};
 use super::sampler::{DeviceDraw, SampledToken, Sampler, SamplingParams};
 use super::text::TextStream;
 use super::Engine;
@@ -77,6 +78,8 @@ impl Completion {
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerationOutput {
     pub prompt_tokens: usize,
+    /// Prompt tokens not prefilled: found in the prefix cache, or shared with another request.
+    pub cached_prompt_tokens: usize,
     pub completions: Vec<Completion>,
 }
 
@@ -100,6 +103,8 @@ pub struct TokenEvent {
 struct Sequence {
     request: RequestId,
     index: usize,
+    /// The request's prompt (what `cache` holds before the generated tokens).
+    prompt: Arc<[u32]>,
     /// The last token, not yet fed to the model.
     next_input: u32,
     generated: Vec<SampledToken>,
@@ -113,8 +118,29 @@ struct Sequence {
     guide: Option<Guide>,
 }
 
+/// A request waiting to start, with its adapter.
+type Waiting = (RequestId, GenerationRequest, Option<Arc<LoraAdapter>>);
+
+/// Which adapter (by identity; `None`: the base model) a batched forward runs with.
+type AdapterKey = Option<*const LoraAdapter>;
+
+fn adapter_key(adapter: Option<&Arc<LoraAdapter>>) -> AdapterKey {
+    adapter.map(Arc::as_ptr)
+}
+
+/// Where an admitted request's prompt starts (see [`Scheduler::start`]).
+enum Start {
+    /// Its cache and the logits after its last token: nothing left to prefill.
+    Ready(KvCache, Vec<f32>),
+    /// A cache (empty, or holding a prefix of the prompt) that the rest of the prompt continues.
+    Run(KvCache),
+    /// The same prompt and adapter as the admitted request at this index.
+    Repeat(usize),
+}
+
 struct Pending {
     prompt_tokens: usize,
+    cached_prompt_tokens: usize,
     completions: Vec<Option<Completion>>,
     /// The compiled constraint, until the request starts.
     constraint: Option<CompiledConstraint>,
@@ -123,7 +149,7 @@ struct Pending {
 /// Sequences in flight on one engine. See the module docs.
 pub struct Scheduler<'e> {
     engine: &'e Engine,
-    waiting: VecDeque<(RequestId, GenerationRequest, Option<Arc<LoraAdapter>>)>,
+    waiting: VecDeque<Waiting>,
     running: Vec<Sequence>,
     pending: HashMap<RequestId, Pending>,
     finished: Vec<(RequestId, GenerationOutput)>,
@@ -134,6 +160,8 @@ pub struct Scheduler<'e> {
     profile: Option<Box<DecodeProfile>>,
     /// The decode step's CUDA graphs, captured as batch sizes and adapters come.
     graphs: DecodeGraphs,
+    /// Prompts and finished sequences recently seen, with their keys and values.
+    prefix: PrefixCache,
 }
 
 /// Time per phase of the decode steps, summed over a scheduler's life (`ART_PROFILE_DECODE=1`).
@@ -219,7 +247,19 @@ impl<'e> Scheduler<'e> {
             max_prefill_tokens_per_step: 4096,
             profile: DecodeProfile::from_env(),
             graphs: DecodeGraphs::default(),
+            prefix: PrefixCache::new(default_prefix_cache_bytes(engine)),
         }
+    }
+
+    /// Bytes the prefix cache holds now.
+    pub fn prefix_cache_bytes(&self) -> usize {
+        self.prefix.used_bytes()
+    }
+
+    /// How many bytes of keys, values and logits the prefix cache keeps (0 turns prompt sharing
+    /// off, even between the requests of one step).
+    pub fn set_prefix_cache_budget(&mut self, bytes: usize) {
+        self.prefix = PrefixCache::new(bytes);
     }
 
     /// Queues a request; it starts on the next step. Fails at once on an invalid request
@@ -272,6 +312,7 @@ impl<'e> Scheduler<'e> {
             id,
             Pending {
                 prompt_tokens: request.prompt.len(),
+                cached_prompt_tokens: 0,
                 completions: vec![None; request.params.n],
                 constraint,
             },
@@ -340,68 +381,159 @@ impl<'e> Scheduler<'e> {
         }
     }
 
-    /// Starts waiting requests, up to the step's prefill budget (at least one). Consecutive
-    /// requests with prompts of one length and the same adapter share one batched forward.
+    /// Starts waiting requests, up to the step's prefill budget (at least one request); a
+    /// prompt's tokens found in the prefix cache, or repeating a request admitted before it in
+    /// this step, do not count against it.
     fn prefill(&mut self, events: &mut Vec<TokenEvent>) -> Result<()> {
         let mut budget = self.max_prefill_tokens_per_step;
-        let mut first = true;
-        while let Some((_, request, _)) = self.waiting.front() {
-            if !first && request.prompt.len() > budget {
+        let mut admitted = Vec::new();
+        let mut seen: HashSet<(AdapterKey, Vec<u32>)> = HashSet::new();
+        while let Some((_, request, adapter)) = self.waiting.front() {
+            let key = (adapter_key(adapter.as_ref()), request.prompt.clone());
+            let new_tokens = if self.prefix.enabled() && seen.contains(&key) {
+                0
+            } else {
+                request.prompt.len() - self.prefix.reusable(adapter.as_ref(), &request.prompt)
+            };
+            if !admitted.is_empty() && new_tokens > budget {
                 break;
             }
-            first = false;
-            budget = budget.saturating_sub(request.prompt.len());
-            let (id, request, adapter) = self.waiting.pop_front().unwrap();
-            let key = adapter.as_ref().map(Arc::as_ptr);
-            let len = request.prompt.len();
-            let mut group = vec![(id, request, adapter)];
-            while let Some((_, next, next_adapter)) = self.waiting.front() {
-                if next.prompt.len() != len
-                    || next_adapter.as_ref().map(Arc::as_ptr) != key
-                    || len > budget
-                {
-                    break;
-                }
-                budget -= len;
-                group.push(self.waiting.pop_front().unwrap());
-            }
-            self.prefill_group(group, events)?;
+            budget = budget.saturating_sub(new_tokens);
+            seen.insert(key);
+            admitted.push(self.waiting.pop_front().expect("checked above"));
         }
-        Ok(())
+        if admitted.is_empty() {
+            return Ok(());
+        }
+        self.start(admitted, events)
     }
 
-    /// One forward over prompts of equal length (one adapter), then each request's first token.
-    fn prefill_group(
-        &mut self,
-        group: Vec<(RequestId, GenerationRequest, Option<Arc<LoraAdapter>>)>,
-        events: &mut Vec<TokenEvent>,
-    ) -> Result<()> {
+    /// Prefills the admitted requests and starts their sequences, each with its first token.
+    /// A request finds where to start in the prefix cache, or repeats an earlier request of this
+    /// step; the rest run in one batched forward per adapter and number of tokens to prefill.
+    fn start(&mut self, admitted: Vec<Waiting>, events: &mut Vec<TokenEvent>) -> Result<()> {
         let model = self.engine.model();
-        let len = group[0].1.prompt.len();
-        let mut caches: Vec<KvCache> = group.iter().map(|_| model.new_cache()).collect();
-        let ids: Vec<u32> = group
+        let mut starts: Vec<Start> = Vec::with_capacity(admitted.len());
+        let mut first_of: HashMap<(AdapterKey, &[u32]), usize> = HashMap::new();
+        for (i, (_, request, adapter)) in admitted.iter().enumerate() {
+            let key = (adapter_key(adapter.as_ref()), request.prompt.as_slice());
+            if let Some(&first) = first_of.get(&key) {
+                starts.push(Start::Repeat(first));
+                continue;
+            }
+            if self.prefix.enabled() {
+                first_of.insert(key, i);
+            }
+            starts.push(
+                match self.prefix.reuse(adapter.as_ref(), &request.prompt)? {
+                    Some(Reuse {
+                        cache,
+                        logits: Some(logits),
+                    }) => Start::Ready(cache, logits),
+                    Some(Reuse {
+                        cache,
+                        logits: None,
+                    }) => Start::Run(cache),
+                    None => Start::Run(model.new_cache()),
+                },
+            );
+        }
+        let cached_tokens: Vec<usize> = starts
             .iter()
-            .flat_map(|(_, r, _)| r.prompt.iter().copied())
+            .zip(&admitted)
+            .map(|(start, (_, request, _))| match start {
+                Start::Run(cache) => cache.len(),
+                Start::Ready(..) | Start::Repeat(_) => request.prompt.len(),
+            })
             .collect();
-        let input = Tensor::from_vec(ids, (group.len(), len), model.device())?;
-        let fwd = self.forward_options(group[0].2.as_deref());
-        let logits = {
-            let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
-            model.forward_cached(&input, &mut refs, fwd, true)?
-        };
-        let rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
-        for (((id, request, adapter), mut cache), row) in group.into_iter().zip(caches).zip(rows) {
-            let n = request.params.n;
+
+        // One forward per adapter and number of new tokens (each row continues its own cache).
+        let mut batches: Vec<((AdapterKey, usize), Vec<usize>)> = Vec::new();
+        for (i, start) in starts.iter().enumerate() {
+            if let Start::Run(cache) = start {
+                let (_, request, adapter) = &admitted[i];
+                let key = (
+                    adapter_key(adapter.as_ref()),
+                    request.prompt.len() - cache.len(),
+                );
+                match batches.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, members)) => members.push(i),
+                    None => batches.push((key, vec![i])),
+                }
+            }
+        }
+        let engine = self.engine;
+        for ((_, new_tokens), members) in batches {
+            let mut caches: Vec<KvCache> = members
+                .iter()
+                .map(
+                    |&i| match std::mem::replace(&mut starts[i], Start::Repeat(i)) {
+                        Start::Run(cache) => cache,
+                        _ => unreachable!("batches hold requests to run"),
+                    },
+                )
+                .collect();
+            let ids: Vec<u32> = members
+                .iter()
+                .zip(&caches)
+                .flat_map(|(&i, cache)| admitted[i].1.prompt[cache.len()..].iter().copied())
+                .collect();
+            let input = Tensor::from_vec(ids, (members.len(), new_tokens), model.device())?;
+            let adapter = admitted[members[0]].2.as_ref();
+            let logits = {
+                let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+                let fwd = self.forward_options(adapter.map(Arc::as_ref));
+                model.forward_cached(&input, &mut refs, fwd, true)?
+            };
+            let rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
+            for ((&i, cache), row) in members.iter().zip(caches).zip(rows) {
+                let prompt = &admitted[i].1.prompt;
+                let kept = cache.copy_prefix(prompt.len(), prompt.len())?;
+                self.prefix
+                    .insert(adapter, prompt.clone(), kept, Some(row.clone()), |a| {
+                        engine.is_loaded(a)
+                    });
+                starts[i] = Start::Ready(cache, row);
+            }
+        }
+
+        // Every request's `n` sequences, each with its own copy of the prompt's cache (the last
+        // user of a cache takes it).
+        let mut uses = vec![0usize; admitted.len()];
+        for (i, start) in starts.iter().enumerate() {
+            let source = match start {
+                Start::Repeat(first) => *first,
+                _ => i,
+            };
+            uses[source] += admitted[i].1.params.n;
+        }
+        for (i, ((id, request, adapter), cached)) in
+            admitted.into_iter().zip(cached_tokens).enumerate()
+        {
+            let source = match starts[i] {
+                Start::Repeat(first) => first,
+                _ => i,
+            };
+            if let Some(pending) = self.pending.get_mut(&id) {
+                pending.cached_prompt_tokens = cached;
+            }
             let constraint = self.pending.get_mut(&id).and_then(|p| p.constraint.take());
-            for index in 0..n {
-                let cache = if index + 1 == n {
-                    std::mem::take(&mut cache)
+            let prompt: Arc<[u32]> = request.prompt.into();
+            for index in 0..request.params.n {
+                let Start::Ready(cache, row) = &mut starts[source] else {
+                    unreachable!("every request to run was run");
+                };
+                let mut row = row.clone();
+                uses[source] -= 1;
+                let cache = if uses[source] == 0 {
+                    std::mem::take(cache)
                 } else {
                     cache.deep_clone()?
                 };
                 let mut seq = Sequence {
                     request: id,
                     index,
+                    prompt: prompt.clone(),
                     next_input: 0,
                     generated: Vec::new(),
                     cache,
@@ -411,8 +543,7 @@ impl<'e> Scheduler<'e> {
                     finish: None,
                     guide: constraint.as_ref().map(CompiledConstraint::start),
                 };
-                self.engine
-                    .sample_and_accept(&mut seq, &mut row.clone(), events);
+                self.engine.sample_and_accept(&mut seq, &mut row, events);
                 self.running.push(seq);
             }
         }
@@ -421,12 +552,12 @@ impl<'e> Scheduler<'e> {
 
     /// One batched forward per adapter over the first `count` running sequences.
     fn decode(&mut self, count: usize, events: &mut Vec<TokenEvent>) -> Result<()> {
-        let mut groups: Vec<(Option<*const LoraAdapter>, Vec<usize>)> = Vec::new();
+        let mut groups: Vec<(AdapterKey, Vec<usize>)> = Vec::new();
         for (i, seq) in self.running[..count].iter().enumerate() {
             if seq.finish.is_some() {
                 continue;
             }
-            let key = seq.adapter.as_ref().map(Arc::as_ptr);
+            let key = adapter_key(seq.adapter.as_ref());
             match groups.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, members)) => members.push(i),
                 None => groups.push((key, vec![i])),
@@ -576,6 +707,29 @@ impl<'e> Scheduler<'e> {
         Ok(())
     }
 
+    /// Moves a finished sequence's keys and values to the prefix cache: an agent's next turn
+    /// sends this conversation again, with more after it.
+    fn keep_for_next_turn(&mut self, seq: &mut Sequence) {
+        let len = seq.cache.len();
+        if len <= MIN_SHARED_PREFIX {
+            return;
+        }
+        let generated = seq.generated.iter().map(|t| t.id);
+        let tokens: Vec<u32> = seq
+            .prompt
+            .iter()
+            .copied()
+            .chain(generated)
+            .take(len)
+            .collect();
+        let engine = self.engine;
+        let cache = std::mem::take(&mut seq.cache);
+        self.prefix
+            .insert(seq.adapter.as_ref(), tokens, cache, None, |a| {
+                engine.is_loaded(a)
+            });
+    }
+
     /// Moves finished sequences out of the batch, and finished requests to `finished`.
     fn retire(&mut self) {
         let mut i = 0;
@@ -584,7 +738,8 @@ impl<'e> Scheduler<'e> {
                 i += 1;
                 continue;
             }
-            let seq = self.running.swap_remove(i);
+            let mut seq = self.running.swap_remove(i);
+            self.keep_for_next_turn(&mut seq);
             let (finish_reason, text) = seq.finish.expect("checked above");
             let Some(pending) = self.pending.get_mut(&seq.request) else {
                 continue;
@@ -601,6 +756,7 @@ impl<'e> Scheduler<'e> {
                     seq.request,
                     GenerationOutput {
                         prompt_tokens: pending.prompt_tokens,
+                        cached_prompt_tokens: pending.cached_prompt_tokens,
                         completions: pending.completions.into_iter().flatten().collect(),
                     },
                 ));
@@ -609,6 +765,17 @@ impl<'e> Scheduler<'e> {
         // Keep the batch in arrival order (swap_remove shuffles it); decode order does not affect
         // results, but a stable order keeps runs easy to follow.
         self.running.sort_by_key(|s| (s.request, s.index));
+    }
+}
+
+/// The prefix cache's default budget: a small share of a CPU machine's memory, more on a GPU
+/// (its memory is the card's, and GRPO groups of long prompts are what it serves).
+fn default_prefix_cache_bytes(engine: &Engine) -> usize {
+    const MIB: usize = 1 << 20;
+    if engine.model().device().is_cuda() {
+        2048 * MIB
+    } else {
+        256 * MIB
     }
 }
 

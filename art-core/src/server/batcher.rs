@@ -38,12 +38,18 @@ pub struct Batcher {
 
 impl Batcher {
     /// Starts the batching thread. `max_batch` bounds the sequences decoded together;
-    /// `max_queue` the requests waiting for a place.
-    pub fn start(engine: Arc<Engine>, max_batch: usize, max_queue: usize) -> Self {
+    /// `max_queue` the requests waiting for a place; `prefix_cache_bytes` the keys and values
+    /// kept for prompts seen before (`None`: the scheduler's default).
+    pub fn start(
+        engine: Arc<Engine>,
+        max_batch: usize,
+        max_queue: usize,
+        prefix_cache_bytes: Option<usize>,
+    ) -> Self {
         let (queue, receiver) = mpsc::channel(max_queue.max(1));
         std::thread::Builder::new()
             .name("art-batcher".into())
-            .spawn(move || run(&engine, receiver, max_batch.max(1)))
+            .spawn(move || run(&engine, receiver, max_batch.max(1), prefix_cache_bytes))
             .expect("the batching thread starts");
         Batcher {
             queue,
@@ -70,8 +76,20 @@ impl Batcher {
     }
 }
 
-fn run(engine: &Engine, mut queue: mpsc::Receiver<Submission>, max_batch: usize) {
-    let mut scheduler = engine.scheduler();
+fn run(
+    engine: &Engine,
+    mut queue: mpsc::Receiver<Submission>,
+    max_batch: usize,
+    prefix_cache_bytes: Option<usize>,
+) {
+    let new_scheduler = || {
+        let mut scheduler = engine.scheduler();
+        if let Some(bytes) = prefix_cache_bytes {
+            scheduler.set_prefix_cache_budget(bytes);
+        }
+        scheduler
+    };
+    let mut scheduler = new_scheduler();
     let mut clients: HashMap<RequestId, mpsc::UnboundedSender<BatchEvent>> = HashMap::new();
     loop {
         if scheduler.is_idle() {
@@ -116,7 +134,7 @@ fn run(engine: &Engine, mut queue: mpsc::Receiver<Submission>, max_batch: usize)
                         invalid_request: false,
                     });
                 }
-                scheduler = engine.scheduler();
+                scheduler = new_scheduler();
                 continue;
             }
         }

@@ -344,6 +344,7 @@ fn completion(state: &AppState, prepared: &Prepared, output: GenerationOutput) -
 fn usage(output: &GenerationOutput) -> Usage {
     let completion_tokens = output.completions.iter().map(|c| c.tokens.len() as u64);
     Usage::new(output.prompt_tokens as u64, completion_tokens.sum())
+        .with_cached_tokens(output.cached_prompt_tokens as u64)
 }
 
 fn choice(state: &AppState, prepared: &Prepared, completion: &Completion) -> Choice {

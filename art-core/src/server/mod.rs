@@ -62,6 +62,9 @@ pub struct ServeOptions {
     pub art_dir: PathBuf,
     /// Sample with the quantized weights of a GGUF model (see [`Engine::set_use_quantized`]).
     pub quantized: bool,
+    /// MiB of keys and values kept for prompts seen before (0: none); `None`: the engine's
+    /// default for the device (256 MiB on the CPU, 2 GiB on a GPU).
+    pub prefix_cache_mib: Option<usize>,
     pub load: LoadOptions,
 }
 
@@ -79,6 +82,7 @@ impl Default for ServeOptions {
             default_max_tokens: 1024,
             art_dir: PathBuf::from(".art"),
             quantized: false,
+            prefix_cache_mib: None,
             load: LoadOptions::default(),
         }
     }
@@ -120,7 +124,12 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
         .clone()
         .unwrap_or_else(|| engine.name().to_string());
     Ok(AppState::new(Shared {
-        batcher: Batcher::start(engine.clone(), options.max_batch, options.max_queue),
+        batcher: Batcher::start(
+            engine.clone(),
+            options.max_batch,
+            options.max_queue,
+            options.prefix_cache_mib.map(|mib| mib << 20),
+        ),
         engine,
         template,
         // The path it was loaded from, its hub id when it came from the hub cache, and --alias.

@@ -26,7 +26,7 @@ pub use message::{
 pub use names::{check_name, InvalidName, MAX_NAME_LEN};
 pub use openai::{
     ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, ChunkDelta,
-    JsonSchemaFormat, ResponseFormat, Stop, ToolCallDelta, Usage,
+    JsonSchemaFormat, PromptTokensDetails, ResponseFormat, Stop, ToolCallDelta, Usage,
 };
 pub use serverless::{
     CursorPage, DeleteStepsRequest, DeleteStepsResponse, ExperimentalConfig, JobEventKind,

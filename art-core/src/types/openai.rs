@@ -119,6 +119,15 @@ pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub total_tokens: u64,
+    /// OpenAI's breakdown of the prompt; `cached_tokens` are those not computed again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    #[serde(default)]
+    pub cached_tokens: u64,
 }
 
 impl Usage {
@@ -127,6 +136,15 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: None,
+        }
+    }
+
+    /// With `cached_tokens` of the prompt reported as found in the server's prefix cache.
+    pub fn with_cached_tokens(self, cached_tokens: u64) -> Self {
+        Usage {
+            prompt_tokens_details: Some(PromptTokensDetails { cached_tokens }),
+            ..self
         }
     }
 }

@@ -37,11 +37,27 @@ impl KvCache {
 
     /// An independent copy (for sampling several continuations of one prompt).
     pub fn deep_clone(&self) -> Result<Self> {
+        let capacity = match self.layers.first().and_then(|l| l.k.as_ref()) {
+            Some(k) => k.dim(2)?,
+            None => self.len,
+        };
+        self.copy_prefix(self.len, capacity)
+    }
+
+    /// An independent copy of the first `len` positions, in buffers of `capacity >= len`
+    /// positions (`len` for a copy kept aside, more for one that will grow).
+    pub fn copy_prefix(&self, len: usize, capacity: usize) -> Result<Self> {
+        assert!(
+            len <= self.len && len <= capacity,
+            "copy_prefix past the cache"
+        );
         let copy = |t: &Option<Tensor>| -> Result<Option<Tensor>> {
-            Ok(match t {
-                Some(t) => Some(t.copy()?),
-                None => None,
-            })
+            let Some(t) = t else { return Ok(None) };
+            let (one, kv, _, hd) = t.dims4()?;
+            let buf = Tensor::zeros((one, kv, capacity, hd), t.dtype(), t.device())?;
+            // (A prefix of a longer buffer is a strided view, which slice_set cannot read.)
+            buf.slice_set(&t.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
+            Ok(Some(buf))
         };
         let layers = self
             .layers
@@ -53,10 +69,17 @@ impl KvCache {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(KvCache {
-            layers,
-            len: self.len,
-        })
+        Ok(KvCache { layers, len })
+    }
+
+    /// Bytes its buffers hold (their capacity, not just the positions in use).
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.k, &l.v])
+            .flatten()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
     }
 }
 
@@ -103,5 +126,26 @@ impl LayerKv {
             self.v = Some(grow(&self.v)?);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+impl KvCache {
+    /// A one-layer cache holding `values` as both keys and values (`[1, 1, len, 1]`).
+    pub(crate) fn of_values(values: &[f32]) -> Result<Self> {
+        let kv = Tensor::from_vec(values.to_vec(), (1, 1, values.len(), 1), &Device::Cpu)?;
+        let mut cache = KvCache::new(1);
+        cache.layers[0].append(0, &kv, &kv)?;
+        cache.len = values.len();
+        Ok(cache)
+    }
+
+    /// The first layer's keys in use, flattened.
+    pub(crate) fn first_keys(&self) -> Result<Vec<f32>> {
+        let k = self.layers[0].k.as_ref().expect("a filled cache");
+        k.narrow(2, 0, self.len)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1()
     }
 }
