@@ -464,6 +464,7 @@ impl<'e> Scheduler<'e> {
         }
         let engine = self.engine;
         for ((_, new_tokens), members) in batches {
+            // (Each member's place holds a placeholder until its prefill is done, below.)
             let mut caches: Vec<KvCache> = members
                 .iter()
                 .map(
@@ -514,10 +515,10 @@ impl<'e> Scheduler<'e> {
                 Start::Repeat(first) => first,
                 _ => i,
             };
-            if let Some(pending) = self.pending.get_mut(&id) {
+            let constraint = self.pending.get_mut(&id).and_then(|pending| {
                 pending.cached_prompt_tokens = cached;
-            }
-            let constraint = self.pending.get_mut(&id).and_then(|p| p.constraint.take());
+                pending.constraint.take()
+            });
             let prompt: Arc<[u32]> = request.prompt.into();
             for index in 0..request.params.n {
                 let Start::Ready(cache, row) = &mut starts[source] else {
