@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
@@ -104,6 +105,17 @@ impl LoraPair {
         } else {
             (self.a.as_tensor().detach(), self.b.as_tensor().detach())
         }
+    }
+}
+
+/// Whether two optional adapters are the same one (by identity: an adapter replaced under the same
+/// name is another), `None` being the base model. What was computed through one adapter (cached
+/// keys and values, a captured graph) serves only requests for that very adapter.
+pub(crate) fn same_adapter(a: Option<&Arc<LoraAdapter>>, b: Option<&Arc<LoraAdapter>>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        _ => false,
     }
 }
 

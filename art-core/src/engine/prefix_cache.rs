@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use super::error::Result;
-use super::lora::LoraAdapter;
+use super::lora::{same_adapter, LoraAdapter};
 use super::model::KvCache;
 
 /// A shared prefix shorter than this is prefilled again rather than copied: copying saves little,
@@ -49,14 +49,6 @@ pub struct Reuse {
     pub cache: KvCache,
     /// The logits after the whole prompt, when it was found whole: then nothing is prefilled.
     pub logits: Option<Vec<f32>>,
-}
-
-fn same_adapter(a: Option<&Arc<LoraAdapter>>, b: Option<&Arc<LoraAdapter>>) -> bool {
-    match (a, b) {
-        (None, None) => true,
-        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-        _ => false,
-    }
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {

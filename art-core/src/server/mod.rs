@@ -62,7 +62,7 @@ pub struct ServeOptions {
     pub art_dir: PathBuf,
     /// Sample with the quantized weights of a GGUF model (see [`Engine::set_use_quantized`]).
     pub quantized: bool,
-    /// MiB of keys and values kept for prompts seen before (0: none); `None`: the engine's
+    /// MiB of keys and values kept for prompts seen before (0: none); `None`: the scheduler's
     /// default for the device (256 MiB on the CPU, 2 GiB on a GPU).
     pub prefix_cache_mib: Option<usize>,
     pub load: LoadOptions,

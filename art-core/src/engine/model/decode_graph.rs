@@ -25,6 +25,7 @@
 use std::sync::Arc;
 
 use super::*;
+use crate::engine::lora::same_adapter;
 
 /// Batch sizes a graph is captured for: a step of `b` rows replays the smallest that holds it.
 const BUCKETS: [usize; 16] = [
@@ -113,14 +114,10 @@ impl Model {
 
         graphs.replays += 1;
         let clock = graphs.replays;
-        let found = graphs.captured.iter().position(|c| {
-            c.bucket == bucket
-                && match (&c.adapter, adapter) {
-                    (None, None) => true,
-                    (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-                    _ => false,
-                }
-        });
+        let found = graphs
+            .captured
+            .iter()
+            .position(|c| c.bucket == bucket && same_adapter(c.adapter.as_ref(), adapter));
         let index = match found {
             Some(i) => {
                 let c = &graphs.captured[i];
