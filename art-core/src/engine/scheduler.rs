@@ -156,7 +156,7 @@ pub struct Scheduler<'e> {
     next_id: RequestId,
     /// Upper bound on prompt tokens prefilled in one step (at least one request always is).
     pub max_prefill_tokens_per_step: usize,
-    /// Where decode steps spend their time (`ART_PROFILE_DECODE=1`), printed when dropped.
+    /// Where the steps spend their time (`ART_PROFILE_DECODE=1`), printed as the work runs out.
     profile: Option<Box<DecodeProfile>>,
     /// The decode step's CUDA graphs, captured as batch sizes and adapters come.
     graphs: DecodeGraphs,
@@ -164,11 +164,18 @@ pub struct Scheduler<'e> {
     prefix: PrefixCache,
 }
 
-/// Time per phase of the decode steps, summed over a scheduler's life (`ART_PROFILE_DECODE=1`).
-/// The forward is timed to a device synchronisation, which the profile adds.
+/// Time per phase of the scheduler's steps (`ART_PROFILE_DECODE=1`), summed over a busy period
+/// (from a first request to running out of work) and printed at its end: with a GRPO client, one
+/// line per step's rollouts. The forward is timed to a device synchronisation, which the profile
+/// adds.
 struct DecodeProfile {
     mark: Instant,
-    /// Decode forwards (one per adapter group and step) and the rows they carried.
+    /// When the busy period began (its first step).
+    since: Option<Instant>,
+    /// Steps, requests added, and decode forwards (one per adapter group and step) and the rows
+    /// they carried.
+    steps: usize,
+    requests: usize,
     forwards: usize,
     rows: usize,
     /// Seconds: building the batch and the forward, to the device's synchronisation.
@@ -186,19 +193,26 @@ struct DecodeProfile {
 
 impl DecodeProfile {
     fn from_env() -> Option<Box<Self>> {
-        super::switches::PROFILE_DECODE.on().then(|| {
-            Box::new(DecodeProfile {
-                mark: Instant::now(),
-                forwards: 0,
-                rows: 0,
-                forward: 0.0,
-                to_host: 0.0,
-                sample: 0.0,
-                accept: 0.0,
-                prefill: 0.0,
-                retire: 0.0,
-            })
-        })
+        super::switches::PROFILE_DECODE
+            .on()
+            .then(|| Box::new(DecodeProfile::new()))
+    }
+
+    fn new() -> Self {
+        DecodeProfile {
+            mark: Instant::now(),
+            since: None,
+            steps: 0,
+            requests: 0,
+            forwards: 0,
+            rows: 0,
+            forward: 0.0,
+            to_host: 0.0,
+            sample: 0.0,
+            accept: 0.0,
+            prefill: 0.0,
+            retire: 0.0,
+        }
     }
 
     /// Seconds since the last lap.
@@ -208,30 +222,42 @@ impl DecodeProfile {
         self.mark = now;
         dt
     }
+
+    /// Prints the busy period's totals and starts afresh. The time outside the phases is the
+    /// batcher's between steps (admitting requests, sending tokens) and the steps' own glue.
+    fn report(&mut self) {
+        let Some(since) = self.since else { return };
+        let wall = since.elapsed().as_secs_f64();
+        let n = self.forwards.max(1) as f64;
+        let ms = |s: f64| s * 1e3 / n;
+        let phases =
+            self.forward + self.to_host + self.sample + self.accept + self.prefill + self.retire;
+        eprintln!(
+            "PROFILE scheduler: {} requests in {:.3} s, {} steps; {} decode forwards of {:.1} rows, \
+             ms each: forward {:.2}, device sampling + copy to host {:.2}, host sampling {:.2}, \
+             bookkeeping {:.2}; prefill {:.3} s, retire {:.3} s, outside the phases {:.3} s",
+            self.requests,
+            wall,
+            self.steps,
+            self.forwards,
+            self.rows as f64 / n,
+            ms(self.forward),
+            ms(self.to_host),
+            ms(self.sample),
+            ms(self.accept),
+            self.prefill,
+            self.retire,
+            (wall - phases).max(0.0),
+        );
+        *self = DecodeProfile::new();
+    }
 }
 
 impl Drop for Scheduler<'_> {
     fn drop(&mut self) {
-        let Some(p) = &self.profile else { return };
-        if p.forwards == 0 {
-            return;
+        if let Some(p) = &mut self.profile {
+            p.report();
         }
-        let n = p.forwards as f64;
-        let ms = |s: f64| s * 1e3 / n;
-        eprintln!(
-            "PROFILE decode: {} forwards, {:.1} rows each; ms per forward: forward {:.2}, \
-             device sampling + copy to host {:.2}, host sampling {:.2}, bookkeeping {:.2} \
-             (total {:.2}); prefill {:.2} s, retire {:.2} ms per step",
-            p.forwards,
-            p.rows as f64 / n,
-            ms(p.forward),
-            ms(p.to_host),
-            ms(p.sample),
-            ms(p.accept),
-            ms(p.forward + p.to_host + p.sample + p.accept),
-            p.prefill,
-            ms(p.retire),
-        );
     }
 }
 
@@ -318,6 +344,9 @@ impl<'e> Scheduler<'e> {
             },
         );
         self.waiting.push_back((id, request, adapter));
+        if let Some(p) = &mut self.profile {
+            p.requests += 1;
+        }
         Ok(id)
     }
 
@@ -357,6 +386,8 @@ impl<'e> Scheduler<'e> {
         let decode_count = self.running.len();
         if let Some(p) = &mut self.profile {
             p.lap();
+            p.since.get_or_insert(p.mark);
+            p.steps += 1;
         }
         self.decode(decode_count, &mut events)?;
         if let Some(p) = &mut self.profile {
@@ -369,6 +400,9 @@ impl<'e> Scheduler<'e> {
         self.retire();
         if let Some(p) = &mut self.profile {
             p.retire += p.lap();
+            if self.waiting.is_empty() && self.running.is_empty() {
+                p.report();
+            }
         }
         Ok(events)
     }

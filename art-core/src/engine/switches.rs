@@ -101,11 +101,16 @@ pub static CUDA_POOL_TRIM: Switch = Switch::new(
 pub static PROFILE_DECODE: Switch = Switch::new(
     "ART_PROFILE_DECODE",
     false,
-    "time each phase of the decode steps and print the totals when a scheduler ends",
+    "time each phase of the scheduler's steps and print the totals whenever it runs out of work",
+);
+pub static PROFILE_TRAIN: Switch = Switch::new(
+    "ART_PROFILE_TRAIN",
+    false,
+    "print each training step's split: preparing the batch, the update, writing the checkpoint, serving it",
 );
 
 /// All of the engine's switches.
-pub static ALL: [&Switch; 11] = [
+pub static ALL: [&Switch; 12] = [
     &FUSED_OPS,
     &QGEMM,
     &SKINNY_MATMUL,
@@ -117,6 +122,7 @@ pub static ALL: [&Switch; 11] = [
     &CUDA_EVENTS,
     &CUDA_POOL_TRIM,
     &PROFILE_DECODE,
+    &PROFILE_TRAIN,
 ];
 
 /// The switches that differ from their defaults, as `VAR=0/1` (empty when none do).

@@ -322,6 +322,7 @@ impl Trainer {
         });
 
         let reference = self.reference_adapter(config.kl_penalty_reference_step)?;
+        let prepared_s = started.elapsed().as_secs_f64();
         let update = self.update(
             sequences,
             &micro_batches,
@@ -372,8 +373,22 @@ impl Trainer {
             logprob_abs_diff,
             duration_s: started.elapsed().as_secs_f64(),
         };
+        let saving = Instant::now();
         let checkpoint = self.save_checkpoint(&metrics)?;
+        let serving = Instant::now();
         self.register()?;
+        if crate::engine::switches::PROFILE_TRAIN.on() {
+            eprintln!(
+                "PROFILE train step {}: batch {:.3} s, update {:.3} s (compute {:.3} s), \
+                 checkpoint {:.3} s, serving {:.3} s",
+                self.step,
+                prepared_s,
+                metrics.duration_s - prepared_s,
+                update.compute_s,
+                (serving - saving).as_secs_f64(),
+                serving.elapsed().as_secs_f64(),
+            );
+        }
         Ok(StepResult {
             step: self.step,
             trained,
