@@ -231,6 +231,92 @@ fn kv_cache_decode_logits_equal_full_forward() {
     }
 }
 
+/// Rows continuing caches of one length run their attention as one batch (fresh prompts, or
+/// prompts after a shared prefix): the logits, and the caches they leave for the next token,
+/// equal each row's run alone. (~0.1 s)
+#[test]
+fn batched_prefill_from_equal_positions_equals_row_by_row() {
+    for arch in ARCHS {
+        let (_dir, engine) = tiny(arch);
+        let model = engine.model();
+        let ids = |rows: &[&[u32]]| {
+            let data: Vec<u32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+            Tensor::from_vec(data, (rows.len(), rows[0].len()), model.device()).unwrap()
+        };
+        let max_diff = |a: &Tensor, b: &Tensor| {
+            (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        let heads: [&[u32]; 2] = [&[3, 4, 5, 6], &[7, 8, 9, 10]];
+        let tails: [&[u32]; 2] = [&[11, 12, 13], &[14, 15, 16]];
+        for start_after_prefix in [false, true] {
+            // Batched: both rows from position 0, or both after their own 4-token prefix.
+            let mut batched = [model.new_cache(), model.new_cache()];
+            if start_after_prefix {
+                for (cache, head) in batched.iter_mut().zip(heads) {
+                    model
+                        .forward_cached(&ids(&[head]), &mut [cache], Forward::default(), true)
+                        .unwrap();
+                }
+            }
+            let [c0, c1] = &mut batched;
+            let together = model
+                .forward_cached(&ids(&tails), &mut [c0, c1], Forward::default(), false)
+                .unwrap();
+            let next = model
+                .forward_cached(
+                    &ids(&[&[17], &[18]]),
+                    &mut [c0, c1],
+                    Forward::default(),
+                    true,
+                )
+                .unwrap();
+            for row in 0..2 {
+                let mut alone = model.new_cache();
+                if start_after_prefix {
+                    model
+                        .forward_cached(
+                            &ids(&[heads[row]]),
+                            &mut [&mut alone],
+                            Forward::default(),
+                            true,
+                        )
+                        .unwrap();
+                }
+                let own = model
+                    .forward_cached(
+                        &ids(&[tails[row]]),
+                        &mut [&mut alone],
+                        Forward::default(),
+                        false,
+                    )
+                    .unwrap();
+                let own_next = model
+                    .forward_cached(
+                        &ids(&[&[17 + row as u32]]),
+                        &mut [&mut alone],
+                        Forward::default(),
+                        true,
+                    )
+                    .unwrap();
+                let diff = max_diff(&together.narrow(0, row, 1).unwrap(), &own);
+                assert!(
+                    diff < 1e-4,
+                    "{arch:?}, after prefix {start_after_prefix}, row {row}: {diff}"
+                );
+                let diff = max_diff(&next.narrow(0, row, 1).unwrap(), &own_next);
+                assert!(diff < 1e-4, "{arch:?}, next token, row {row}: {diff}");
+            }
+        }
+    }
+}
+
 #[test]
 fn seeded_sampling_is_reproducible() {
     let (_dir, engine) = tiny(Architecture::Llama);

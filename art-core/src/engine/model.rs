@@ -306,18 +306,36 @@ impl Attention {
                 let mut cached = Vec::with_capacity(b);
                 for (i, cache) in caches.iter_mut().enumerate() {
                     let start = cache.len;
-                    let (k_all, v_all) = cache.layers[self.layer].append(
+                    let (k_all, v_all) = cache.append(
+                        self.layer,
                         start,
                         &k.narrow(0, i, 1)?,
                         &v.narrow(0, i, 1)?,
                     )?;
                     cached.push((start, k_all, v_all));
                 }
+                let start = cached[0].0;
                 if l == 1 && q.device().is_cpu() && q.dtype() == DType::F32 {
                     // One token per sequence on the CPU: one pass over every cache.
                     let (keys, values): (Vec<_>, Vec<_>) =
                         cached.into_iter().map(|(_, k, v)| (k, v)).unzip();
                     cpu_attention::decode(&q, &keys, &values)?
+                } else if b > 1 && cached.iter().all(|(s, _, _)| *s == start) {
+                    // Rows continuing caches of one length (fresh prompts, or a group's prompts
+                    // after their shared prefix) attend as one batch: a few launches per layer
+                    // instead of a few per row and layer, which on a GPU cost more than the
+                    // arithmetic. From position 0 the new keys and values are all there is.
+                    let (keys, values) = if start == 0 {
+                        (k.clone(), v.clone())
+                    } else {
+                        let (keys, values): (Vec<_>, Vec<_>) =
+                            cached.into_iter().map(|(_, k, v)| (k, v)).unzip();
+                        (Tensor::cat(&keys, 0)?, Tensor::cat(&values, 0)?)
+                    };
+                    let mask = (l > 1)
+                        .then(|| causal_mask(l, start, q.dtype(), q.device()))
+                        .transpose()?;
+                    self.attend(&q, &keys, &values, mask.as_ref())?
                 } else {
                     let mut rows = Vec::with_capacity(b);
                     for (i, (start, k_all, v_all)) in cached.iter().enumerate() {
@@ -716,14 +734,15 @@ impl Model {
         let mut table = vec![0i64; 2 * layers * b + 2 * b];
         for (row, cache) in caches.iter_mut().enumerate() {
             let len = cache.len;
-            for (l, layer) in cache.layers.iter_mut().enumerate() {
-                layer.reserve(len + 1, kv, hd, self.dtype, &self.device)?;
-                let k = layer.k.as_ref().expect("reserved");
-                let v = layer.v.as_ref().expect("reserved");
-                table[2 * l * b + row] = cuda_decode::device_address(k)? as i64;
-                table[(2 * l + 1) * b + row] = cuda_decode::device_address(v)? as i64;
+            cache.reserve(len + 1, kv, hd, self.dtype, &self.device)?;
+            let capacity = cache.capacity();
+            // The buffer is `[layers, 2, kv, capacity, hd]`: each layer's keys, then its values.
+            let base = cuda_decode::device_address(cache.buffer().expect("reserved"))? as i64;
+            let part = (kv * capacity * hd * self.dtype.size_in_bytes()) as i64;
+            for l in 0..layers {
+                table[2 * l * b + row] = base + 2 * l as i64 * part;
+                table[(2 * l + 1) * b + row] = base + (2 * l + 1) as i64 * part;
             }
-            let capacity = cache.layers[0].k.as_ref().expect("reserved").dim(2)?;
             table[2 * layers * b + row] = len as i64;
             table[2 * layers * b + b + row] = capacity as i64;
         }

@@ -1,5 +1,11 @@
-//! A sequence's key/value cache: every layer's keys and values so far, in buffers that grow by
-//! doubling and are written in place.
+//! A sequence's key/value cache: every layer's keys and values so far, in one buffer that grows
+//! by doubling and is written in place.
+//!
+//! One buffer per sequence, not one per layer: copying a cache (a group's rollouts each start
+//! from their prompt's, the prefix cache hands out copies) and growing it are then a few
+//! operations whatever the depth of the model, instead of a few per layer. On a GPU each
+//! operation is a kernel launch and an allocation, and a 30-layer model's 128 rollouts a step made
+//! tens of thousands of them.
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -7,21 +13,18 @@ use candle_core::{DType, Device, Result, Tensor};
 /// new entries are written in place.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
-    pub(super) layers: Vec<LayerKv>,
+    /// `[layers, 2, kv_heads, capacity, head_dim]`: each layer's keys, then its values, valid
+    /// up to `len`. Made at the first write, when the shape and dtype are known.
+    buf: Option<Tensor>,
+    num_layers: usize,
     pub(super) len: usize,
-}
-
-#[derive(Debug, Clone, Default)]
-pub(super) struct LayerKv {
-    /// `[1, kv_heads, capacity, head_dim]`, valid up to the cache's `len`.
-    pub(super) k: Option<Tensor>,
-    pub(super) v: Option<Tensor>,
 }
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
         KvCache {
-            layers: vec![LayerKv::default(); num_layers],
+            buf: None,
+            num_layers,
             len: 0,
         }
     }
@@ -35,75 +38,43 @@ impl KvCache {
         self.len == 0
     }
 
-    /// An independent copy (for sampling several continuations of one prompt).
-    pub fn deep_clone(&self) -> Result<Self> {
-        let capacity = match self.layers.first().and_then(|l| l.k.as_ref()) {
-            Some(k) => k.dim(2)?,
-            None => self.len,
-        };
-        self.copy_prefix(self.len, capacity)
+    /// Positions the buffer holds before it must grow.
+    pub fn capacity(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.dims()[3])
     }
 
-    /// An independent copy of the first `len` positions, in buffers of `capacity >= len`
+    /// An independent copy (for sampling several continuations of one prompt).
+    pub fn deep_clone(&self) -> Result<Self> {
+        self.copy_prefix(self.len, self.capacity().max(self.len))
+    }
+
+    /// An independent copy of the first `len` positions, in a buffer of `capacity >= len`
     /// positions (`len` for a copy kept aside, more for one that will grow).
     pub fn copy_prefix(&self, len: usize, capacity: usize) -> Result<Self> {
         assert!(
             len <= self.len && len <= capacity,
             "copy_prefix past the cache"
         );
-        let copy = |t: &Option<Tensor>| -> Result<Option<Tensor>> {
-            let Some(t) = t else { return Ok(None) };
-            let (one, kv, _, hd) = t.dims4()?;
-            let buf = Tensor::zeros((one, kv, capacity, hd), t.dtype(), t.device())?;
-            // (A prefix of a longer buffer is a strided view, which slice_set cannot read.)
-            buf.slice_set(&t.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
-            Ok(Some(buf))
+        let buf = match &self.buf {
+            Some(buf) => Some(copy_positions(buf, len, capacity)?),
+            None => None,
         };
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(LayerKv {
-                    k: copy(&l.k)?,
-                    v: copy(&l.v)?,
-                })
-            })
-            .collect::<Result<_>>()?;
-        Ok(KvCache { layers, len })
+        Ok(KvCache {
+            buf,
+            num_layers: self.num_layers,
+            len,
+        })
     }
 
-    /// Bytes its buffers hold (their capacity, not just the positions in use).
+    /// Bytes its buffer holds (its capacity, not just the positions in use).
     pub fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .flat_map(|l| [&l.k, &l.v])
-            .flatten()
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-            .sum()
+        self.buf
+            .as_ref()
+            .map_or(0, |b| b.elem_count() * b.dtype().size_in_bytes())
     }
-}
 
-impl LayerKv {
-    /// Writes `k`, `v` (`[1, kv, L, hd]`) at position `start` and returns views of everything
-    /// cached so far, `[1, kv, start + L, hd]`.
-    pub(super) fn append(
-        &mut self,
-        start: usize,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        let new_len = start + k.dim(2)?;
-        let (_, kv, _, hd) = k.dims4()?;
-        self.reserve(new_len, kv, hd, k.dtype(), k.device())?;
-        let (kb, vb) = (self.k.as_ref().unwrap(), self.v.as_ref().unwrap());
-        kb.slice_set(&k.contiguous()?, 2, start)?;
-        vb.slice_set(&v.contiguous()?, 2, start)?;
-        Ok((kb.narrow(2, 0, new_len)?, vb.narrow(2, 0, new_len)?))
-    }
-}
-
-impl LayerKv {
-    /// Makes room for `len` positions (`[1, kv, >= len, hd]` buffers), keeping what is cached.
+    /// Makes room for `len` positions, keeping what is cached; the buffer is made here for a
+    /// model with `kv` key/value heads of `hd` values.
     pub(super) fn reserve(
         &mut self,
         len: usize,
@@ -112,21 +83,63 @@ impl LayerKv {
         dtype: DType,
         device: &Device,
     ) -> Result<()> {
-        let capacity = self.k.as_ref().map(|t| t.dim(2)).transpose()?.unwrap_or(0);
-        if len > capacity {
-            let new_capacity = len.max(2 * capacity).max(64);
-            let grow = |old: &Option<Tensor>| -> Result<Tensor> {
-                let buf = Tensor::zeros((1, kv, new_capacity, hd), dtype, device)?;
-                if let Some(old) = old {
-                    buf.slice_set(old, 2, 0)?;
-                }
-                Ok(buf)
-            };
-            self.k = Some(grow(&self.k)?);
-            self.v = Some(grow(&self.v)?);
+        let capacity = self.capacity();
+        if len <= capacity {
+            return Ok(());
         }
+        let new_capacity = len.max(2 * capacity).max(64);
+        self.buf = Some(match &self.buf {
+            Some(old) => copy_positions(old, self.len, new_capacity)?,
+            None => Tensor::zeros((self.num_layers, 2, kv, new_capacity, hd), dtype, device)?,
+        });
         Ok(())
     }
+
+    /// The whole buffer, `[layers, 2, kv, capacity, hd]` (`None` before the first write).
+    pub(super) fn buffer(&self) -> Option<&Tensor> {
+        self.buf.as_ref()
+    }
+
+    /// Layer `layer`'s keys and values, `[1, kv, capacity, hd]` each: contiguous views into
+    /// the buffer (written in place through them). `None` before the first write.
+    pub(super) fn layer(&self, layer: usize) -> Result<Option<(Tensor, Tensor)>> {
+        let Some(buf) = &self.buf else {
+            return Ok(None);
+        };
+        let part = |which: usize| buf.get(layer)?.narrow(0, which, 1);
+        Ok(Some((part(0)?, part(1)?)))
+    }
+
+    /// Writes `k`, `v` (`[1, kv, L, hd]`) of layer `layer` at position `start` and returns
+    /// views of that layer's positions so far, `[1, kv, start + L, hd]`. The cache's `len`
+    /// moves once every layer is written (by the caller).
+    pub(super) fn append(
+        &mut self,
+        layer: usize,
+        start: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let new_len = start + k.dim(2)?;
+        let (_, kv, _, hd) = k.dims4()?;
+        self.reserve(new_len, kv, hd, k.dtype(), k.device())?;
+        let (kb, vb) = self.layer(layer)?.expect("reserved");
+        kb.slice_set(&k.contiguous()?, 2, start)?;
+        vb.slice_set(&v.contiguous()?, 2, start)?;
+        Ok((kb.narrow(2, 0, new_len)?, vb.narrow(2, 0, new_len)?))
+    }
+}
+
+/// A new buffer of `capacity` positions holding the first `len` of `buf`'s: one allocation and
+/// two copies for every layer at once.
+fn copy_positions(buf: &Tensor, len: usize, capacity: usize) -> Result<Tensor> {
+    let (layers, two, kv, _, hd) = buf.dims5()?;
+    let copy = Tensor::zeros((layers, two, kv, capacity, hd), buf.dtype(), buf.device())?;
+    if len > 0 {
+        // (A prefix of the longer buffer is a strided view, which slice_set cannot read.)
+        copy.slice_set(&buf.narrow(3, 0, len)?.contiguous()?, 3, 0)?;
+    }
+    Ok(copy)
 }
 
 #[cfg(test)]
@@ -135,17 +148,79 @@ impl KvCache {
     pub(crate) fn of_values(values: &[f32]) -> Result<Self> {
         let kv = Tensor::from_vec(values.to_vec(), (1, 1, values.len(), 1), &Device::Cpu)?;
         let mut cache = KvCache::new(1);
-        cache.layers[0].append(0, &kv, &kv)?;
+        cache.append(0, 0, &kv, &kv)?;
         cache.len = values.len();
         Ok(cache)
     }
 
     /// The first layer's keys in use, flattened.
     pub(crate) fn first_keys(&self) -> Result<Vec<f32>> {
-        let k = self.layers[0].k.as_ref().expect("a filled cache");
+        let (k, _) = self.layer(0)?.expect("a filled cache");
         k.narrow(2, 0, self.len)?
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys and values of two layers written through `append`, then copied, grown and read back
+    /// layer by layer: every layer keeps its own positions.
+    #[test]
+    fn layers_keep_their_positions_through_copies_and_growth() {
+        let dev = Device::Cpu;
+        let entry = |layer: usize, which: usize, pos: usize, j: usize| {
+            (1000 * layer + 100 * which + 10 * pos + j) as f32
+        };
+        let block = |layer: usize, which: usize, start: usize, n: usize| {
+            let data: Vec<f32> = (0..2)
+                .flat_map(|_head| (start..start + n).flat_map(move |p| (0..3).map(move |j| (p, j))))
+                .map(|(p, j)| entry(layer, which, p, j))
+                .collect();
+            Tensor::from_vec(data, (1, 2, n, 3), &dev).unwrap()
+        };
+        let mut cache = KvCache::new(2);
+        for (start, n) in [(0, 5), (5, 70)] {
+            for layer in 0..2 {
+                let (k, v) = cache
+                    .append(
+                        layer,
+                        start,
+                        &block(layer, 0, start, n),
+                        &block(layer, 1, start, n),
+                    )
+                    .unwrap();
+                assert_eq!(k.dims(), &[1, 2, start + n, 3]);
+                assert_eq!(v.dims(), &[1, 2, start + n, 3]);
+            }
+            cache.len = start + n;
+        }
+        assert_eq!(cache.capacity(), 128, "64, then doubled");
+        let copy = cache.copy_prefix(40, 40).unwrap();
+        let grown = cache.deep_clone().unwrap();
+        for (c, len) in [(&cache, 75), (&copy, 40), (&grown, 75)] {
+            for layer in 0..2 {
+                let (k, v) = c.layer(layer).unwrap().unwrap();
+                for (which, t) in [(0, k), (1, v)] {
+                    let got: Vec<f32> = t
+                        .narrow(2, 0, len)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    let want = block(layer, which, 0, len)
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap();
+                    assert_eq!(got, want, "layer {layer}, which {which}, len {len}");
+                }
+            }
+        }
+        assert_eq!(copy.bytes(), 2 * 2 * 2 * 40 * 3 * 4);
     }
 }
