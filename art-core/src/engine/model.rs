@@ -736,12 +736,12 @@ impl Model {
             let len = cache.len;
             cache.reserve(len + 1, kv, hd, self.dtype, &self.device)?;
             let capacity = cache.capacity();
-            // The buffer is `[layers, 2, kv, capacity, hd]`: each layer's keys, then its values.
-            let base = cuda_decode::device_address(cache.buffer().expect("reserved"))? as i64;
-            let part = (kv * capacity * hd * self.dtype.size_in_bytes()) as i64;
+            let base = cuda_decode::device_address(cache.buffer().expect("reserved"))? as usize;
+            let size = self.dtype.size_in_bytes();
             for l in 0..layers {
-                table[2 * l * b + row] = base + 2 * l as i64 * part;
-                table[(2 * l + 1) * b + row] = base + (2 * l + 1) as i64 * part;
+                let (k, v) = cache.layer_offsets(l);
+                table[2 * l * b + row] = (base + k * size) as i64;
+                table[(2 * l + 1) * b + row] = (base + v * size) as i64;
             }
             table[2 * layers * b + row] = len as i64;
             table[2 * layers * b + b + row] = capacity as i64;

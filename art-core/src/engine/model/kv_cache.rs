@@ -100,6 +100,17 @@ impl KvCache {
         self.buf.as_ref()
     }
 
+    /// Where layer `layer`'s keys and values start in [`Self::buffer`], in elements: the
+    /// offsets of [`Self::layer`]'s views, for kernels that take addresses (the CUDA decode's
+    /// table).
+    pub(super) fn layer_offsets(&self, layer: usize) -> (usize, usize) {
+        let part: usize = self
+            .buf
+            .as_ref()
+            .map_or(0, |b| b.dims()[2..].iter().product());
+        (2 * layer * part, (2 * layer + 1) * part)
+    }
+
     /// Layer `layer`'s keys and values, `[1, kv, capacity, hd]` each: contiguous views into
     /// the buffer (written in place through them). `None` before the first write.
     pub(super) fn layer(&self, layer: usize) -> Result<Option<(Tensor, Tensor)>> {
@@ -222,5 +233,13 @@ mod tests {
             }
         }
         assert_eq!(copy.bytes(), 2 * 2 * 2 * 40 * 3 * 4);
+        // The offsets the CUDA decode's table is built from are those of the views read above.
+        for c in [&cache, &copy] {
+            for layer in 0..2 {
+                let (k, v) = c.layer(layer).unwrap().unwrap();
+                let offsets = (k.layout().start_offset(), v.layout().start_offset());
+                assert_eq!(c.layer_offsets(layer), offsets);
+            }
+        }
     }
 }
