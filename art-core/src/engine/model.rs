@@ -205,6 +205,10 @@ impl RopeTables {
 
 /// Additive causal mask `[1, 1, 1, L, offset + L]` (for [`add_mask`]): query `l` sees keys
 /// `0..=offset + l`.
+/// The most attention scores a batched prefill holds at once (64 Mi: 256 MiB in f32); a batch
+/// whose scores would be more attends row by row.
+const MAX_BATCHED_SCORES: usize = 1 << 26;
+
 fn causal_mask(len: usize, offset: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let total = offset + len;
     let mask: Vec<f32> = (0..len)
@@ -320,11 +324,15 @@ impl Attention {
                     let (keys, values): (Vec<_>, Vec<_>) =
                         cached.into_iter().map(|(_, k, v)| (k, v)).unzip();
                     cpu_attention::decode(&q, &keys, &values)?
-                } else if b > 1 && cached.iter().all(|(s, _, _)| *s == start) {
+                } else if b > 1
+                    && cached.iter().all(|(s, _, _)| *s == start)
+                    && b * q.dim(1)? * l * (start + l) <= MAX_BATCHED_SCORES
+                {
                     // Rows continuing caches of one length (fresh prompts, or a group's prompts
                     // after their shared prefix) attend as one batch: a few launches per layer
                     // instead of a few per row and layer, which on a GPU cost more than the
                     // arithmetic. From position 0 the new keys and values are all there is.
+                    // (Past a bound on the scores held at once, row by row keeps the peak low.)
                     let (keys, values) = if start == 0 {
                         (k.clone(), v.clone())
                     } else {
