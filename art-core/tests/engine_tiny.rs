@@ -9,8 +9,8 @@ use tempfile::TempDir;
 
 use art_core::engine::random::{RandomModelSpec, CHATML_END_ID};
 use art_core::engine::{
-    Architecture, Engine, FinishReason, Forward, GenerationRequest, LoadOptions, LoraAdapter,
-    ModelSource, SamplingParams, Tensor, Var,
+    Architecture, Engine, FinishReason, Forward, GenerationRequest, KvCache, LoadOptions,
+    LoraAdapter, ModelSource, SamplingParams, Tensor, Var,
 };
 use art_core::types::LoraConfig;
 
@@ -239,18 +239,13 @@ fn batched_prefill_from_equal_positions_equals_row_by_row() {
     for arch in ARCHS {
         let (_dir, engine) = tiny(arch);
         let model = engine.model();
-        let ids = |rows: &[&[u32]]| {
+        // One forward of `rows` (one token list per cache), the logits of every position or
+        // only of the last.
+        let run = |rows: &[&[u32]], caches: &mut [&mut KvCache], last_only: bool| {
             let data: Vec<u32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
-            Tensor::from_vec(data, (rows.len(), rows[0].len()), model.device()).unwrap()
-        };
-        let max_diff = |a: &Tensor, b: &Tensor| {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
+            let ids = Tensor::from_vec(data, (rows.len(), rows[0].len()), model.device()).unwrap();
+            model
+                .forward_cached(&ids, caches, Forward::default(), last_only)
                 .unwrap()
         };
         let heads: [&[u32]; 2] = [&[3, 4, 5, 6], &[7, 8, 9, 10]];
@@ -260,51 +255,19 @@ fn batched_prefill_from_equal_positions_equals_row_by_row() {
             let mut batched = [model.new_cache(), model.new_cache()];
             if start_after_prefix {
                 for (cache, head) in batched.iter_mut().zip(heads) {
-                    model
-                        .forward_cached(&ids(&[head]), &mut [cache], Forward::default(), true)
-                        .unwrap();
+                    run(&[head], &mut [cache], true);
                 }
             }
             let [c0, c1] = &mut batched;
-            let together = model
-                .forward_cached(&ids(&tails), &mut [c0, c1], Forward::default(), false)
-                .unwrap();
-            let next = model
-                .forward_cached(
-                    &ids(&[&[17], &[18]]),
-                    &mut [c0, c1],
-                    Forward::default(),
-                    true,
-                )
-                .unwrap();
+            let together = run(&tails, &mut [c0, c1], false);
+            let next = run(&[&[17], &[18]], &mut [c0, c1], true);
             for row in 0..2 {
                 let mut alone = model.new_cache();
                 if start_after_prefix {
-                    model
-                        .forward_cached(
-                            &ids(&[heads[row]]),
-                            &mut [&mut alone],
-                            Forward::default(),
-                            true,
-                        )
-                        .unwrap();
+                    run(&[heads[row]], &mut [&mut alone], true);
                 }
-                let own = model
-                    .forward_cached(
-                        &ids(&[tails[row]]),
-                        &mut [&mut alone],
-                        Forward::default(),
-                        false,
-                    )
-                    .unwrap();
-                let own_next = model
-                    .forward_cached(
-                        &ids(&[&[17 + row as u32]]),
-                        &mut [&mut alone],
-                        Forward::default(),
-                        true,
-                    )
-                    .unwrap();
+                let own = run(&[tails[row]], &mut [&mut alone], false);
+                let own_next = run(&[&[17 + row as u32]], &mut [&mut alone], true);
                 let diff = max_diff(&together.narrow(0, row, 1).unwrap(), &own);
                 assert!(
                     diff < 1e-4,
