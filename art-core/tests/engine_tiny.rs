@@ -823,3 +823,77 @@ fn repeated_and_extended_prompts_reuse_the_prefix_cache() {
         assert_same_completion(off, shared, 1e-5);
     }
 }
+
+/// A cache budget that holds a few sequences: requests start as memory allows, the newest
+/// sequences are preempted when the others' caches grow, and resume later with their caches
+/// rebuilt; every completion is what an unbounded budget gives (greedy and seeded sampling),
+/// and the running caches never pass the budget. A request that could never fit is refused.
+/// ~1 s.
+#[test]
+fn a_small_cache_budget_preempts_and_resumes_without_changing_completions() {
+    let (_dir, engine) = tiny(Architecture::Qwen2);
+    let per_position = engine.model().kv_bytes_per_position();
+    let sampled = |seed| SamplingParams {
+        temperature: 1.0,
+        seed: Some(seed),
+        max_tokens: 90,
+        ignore_eos: true,
+        logprobs: true,
+        n: 2,
+        ..Default::default()
+    };
+    let mut requests: Vec<GenerationRequest> = prompts(&engine)
+        .into_iter()
+        .enumerate()
+        .map(|(i, prompt)| request(prompt, sampled(i as u64)))
+        .collect();
+    requests.push(request(
+        prompts(&engine)[1].clone(),
+        greedy_ignoring_eos(90),
+    ));
+    let unbounded = run_all(&mut engine.scheduler(), requests.clone());
+
+    // Room for five caches of 64 positions: nine sequences start as it allows, and each one's
+    // cache doubles to 128 positions on the way to ~100 tokens.
+    let budget = 5 * 64 * per_position;
+    let mut scheduler = engine.scheduler();
+    scheduler.set_kv_budget(budget);
+    let ids: Vec<_> = requests
+        .iter()
+        .map(|r| scheduler.add(r.clone()).unwrap())
+        .collect();
+    let mut done = std::collections::HashMap::new();
+    let mut most_running = 0;
+    while !scheduler.is_idle() {
+        scheduler.step().unwrap();
+        assert!(
+            scheduler.kv_bytes_in_use() <= budget,
+            "{} bytes in use, budget {budget}",
+            scheduler.kv_bytes_in_use()
+        );
+        most_running = most_running.max(scheduler.kv_bytes_in_use() / (64 * per_position));
+        done.extend(scheduler.take_finished());
+        assert!(scheduler.take_failed().is_empty());
+    }
+    assert!(scheduler.preemptions() > 0, "the budget never bound");
+    assert!(most_running >= 2, "sequences still ran side by side");
+    for (id, expected) in ids.iter().zip(&unbounded) {
+        let output = done.remove(id).expect("every request finishes");
+        assert_same_completion(&output, expected, 1e-4);
+        assert_eq!(output.completions.len(), expected.completions.len());
+    }
+
+    // Too long for the budget even alone: refused when added, naming the limit.
+    let error = scheduler
+        .add(request(
+            prompts(&engine)[0].clone(),
+            greedy_ignoring_eos(500),
+        ))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("key/value cache") && error.contains("max_tokens"),
+        "{error}"
+    );
+    assert!(scheduler.is_idle());
+}

@@ -561,3 +561,56 @@ async fn the_trainer_renders_the_prompt_the_server_sampled_from() {
     let diff = result["metrics"]["logprob_abs_diff"].as_f64().unwrap();
     assert!(diff < 1e-4, "mean |sampler - trainer| logprob = {diff}");
 }
+
+/// A key/value cache budget of 1 MiB (four of these sequences at full length): 24 concurrent
+/// requests of 400 tokens all succeed, the newest sequences preempted and resumed along the way,
+/// and one that could never fit is refused with a 400 that names the limit, without disturbing
+/// the others. ~3 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_kv_cache_budget_preempts_instead_of_failing() {
+    let dir = temp_dir("kv-budget");
+    let model = dir.path().join("tiny-long-context");
+    RandomModelSpec {
+        max_position_embeddings: 8192,
+        ..RandomModelSpec::tiny(Architecture::Qwen2)
+    }
+    .write(&model, 7)
+    .unwrap();
+    let options = ServeOptions {
+        model: model.display().to_string(),
+        served_model_name: Some("tiny".into()),
+        art_dir: dir.path().join(".art"),
+        kv_cache_mib: Some(1),
+        ..ServeOptions::default()
+    };
+    let server = TestServer::start(options, dir).await;
+    let body = |seed: u64| {
+        chat(json!({"seed": seed, "max_tokens": 400, "ignore_eos": true, "temperature": 1.0}))
+    };
+    let answers = futures::future::join_all((0..24).map(|seed| post(&server, body(seed)))).await;
+    for (status, answer) in &answers {
+        assert_eq!(*status, 200, "{answer}");
+        assert_eq!(answer["usage"]["completion_tokens"], 400, "{answer}");
+    }
+    let health: Value = reqwest::get(server.base_url.replace("/v1", "/health"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let batch = &health["batch"];
+    assert!(batch["preemptions"].as_u64().unwrap() > 0, "{health}");
+    assert_eq!(batch["kv_cache_budget_mib"], 1.0, "{health}");
+    assert_eq!(batch["running_sequences"], 0, "{health}");
+    // The same seed alone (nothing preempted) samples the same tokens.
+    let (_, alone) = post(&server, body(5)).await;
+    assert_eq!(
+        alone["choices"][0]["message"]["content"],
+        answers[5].1["choices"][0]["message"]["content"]
+    );
+
+    let (status, refused) = post(&server, chat(json!({"max_tokens": 8000}))).await;
+    assert_eq!(status, 400, "{refused}");
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(message.contains("key/value cache"), "{message}");
+}

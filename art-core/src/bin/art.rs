@@ -64,6 +64,11 @@ struct ServeArgs {
     /// a GPU.
     #[arg(long)]
     prefix_cache_mib: Option<usize>,
+    /// MiB the running sequences' keys and values may take together: requests start as it
+    /// allows, and past it the newest sequences are preempted and resumed later (their caches
+    /// rebuilt). Default: half the GPU's free memory, a quarter of available memory on the CPU.
+    #[arg(long)]
+    kv_cache_mib: Option<usize>,
     /// Where trained models, their history and checkpoints are kept.
     #[arg(long, default_value = ".art", env = "ART_DIR")]
     art_dir: PathBuf,
@@ -155,6 +160,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 art_dir: args.art_dir,
                 quantized: args.quantized,
                 prefix_cache_mib: args.prefix_cache_mib,
+                kv_cache_mib: args.kv_cache_mib,
                 load,
             })
             .await

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use candle_core::Device;
+use candle_core::{DType, Device, Tensor};
 
 use super::error::Result;
 
@@ -68,6 +68,39 @@ pub fn gpu_memory(device: &Device) -> Option<(usize, usize)> {
     }
     let _ = device;
     None
+}
+
+/// `tensors` on the host as `dtype`. From a GPU in one transfer: copied one by one, each
+/// would wait for the device on its own (a checkpoint's adapter and optimizer state are ~1,300
+/// tensors, and the waits took most of a GPU training step's checkpoint).
+pub fn to_host(tensors: &[Tensor], dtype: DType) -> Result<Vec<Tensor>> {
+    if tensors.iter().all(|t| t.device().is_cpu()) {
+        return Ok(tensors
+            .iter()
+            .map(|t| t.to_dtype(dtype))
+            .collect::<candle_core::Result<_>>()?);
+    }
+    let flat = tensors
+        .iter()
+        .map(|t| t.to_dtype(dtype)?.flatten_all())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let all = Tensor::cat(&flat, 0)?.to_device(&Device::Cpu)?;
+    let mut offset = 0;
+    let mut host = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let n = t.elem_count();
+        host.push(all.narrow(0, offset, n)?.reshape(t.shape())?);
+        offset += n;
+    }
+    Ok(host)
+}
+
+/// Bytes of memory the machine has available (Linux's `MemAvailable`), if it says.
+pub fn available_host_memory() -> Option<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// Samples the GPU's memory in use on a background thread (every millisecond) and keeps the

@@ -32,7 +32,7 @@ mod packing;
 mod training;
 
 pub use decode_graph::DecodeGraphs;
-pub use kv_cache::KvCache;
+pub use kv_cache::{grown_capacity, KvCache};
 use packing::Segments;
 pub use packing::{PackedBlock, PackedRows};
 
@@ -582,6 +582,12 @@ impl Model {
     /// A new, empty cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
         KvCache::new(self.layers.len())
+    }
+
+    /// Bytes one position of a sequence's cache takes: every layer's key and value.
+    pub fn kv_bytes_per_position(&self) -> usize {
+        let c = &self.config;
+        self.layers.len() * 2 * c.num_key_value_heads * c.head_dim * self.dtype.size_in_bytes()
     }
 
     fn embed(&self, input_ids: &Tensor) -> Result<Tensor> {

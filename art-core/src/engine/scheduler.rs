@@ -6,6 +6,13 @@
 //! token for each, and retires the sequences that finished. The server calls `add` as requests
 //! come in, `step` in a loop, and `take_finished` to answer them; [`Engine::generate`] is that
 //! loop for a fixed set of requests.
+//!
+//! The sequences' caches share a memory budget ([`Scheduler::set_kv_budget`]). A request starts
+//! only when its prompt's caches fit beside the running ones; when the running sequences' next
+//! tokens would not fit, the newest are preempted: their caches are dropped, and they resume, before
+//! any new request starts, once memory allows, their caches rebuilt from their tokens (the prompt
+//! usually from the prefix cache). A preempted sequence keeps its sampler, so it continues exactly
+//! as it would have. A request whose one sequence could never fit is refused when it is added.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -18,7 +25,7 @@ use super::constraint::{CompiledConstraint, Guide};
 use super::cuda_sample;
 use super::error::{EngineError, Result};
 use super::lora::LoraAdapter;
-use super::model::{DecodeGraphs, Forward, KvCache};
+use super::model::{grown_capacity, DecodeGraphs, Forward, KvCache};
 use super::prefix_cache::{PrefixCache, Reuse, MIN_SHARED_PREFIX};
 use super::sampler::{DeviceDraw, SampledToken, Sampler, SamplingParams};
 use super::text::TextStream;
@@ -118,6 +125,16 @@ struct Sequence {
     guide: Option<Guide>,
 }
 
+impl Sequence {
+    /// The tokens its cache holds while it runs: the prompt and every generated token but the
+    /// last (`next_input`, not yet fed to the model).
+    fn cached_tokens(&self) -> impl Iterator<Item = u32> + '_ {
+        let len = self.prompt.len() + self.generated.len() - 1;
+        let generated = self.generated.iter().map(|t| t.id);
+        self.prompt.iter().copied().chain(generated).take(len)
+    }
+}
+
 /// A request waiting to start, with its adapter.
 type Waiting = (RequestId, GenerationRequest, Option<Arc<LoraAdapter>>);
 
@@ -162,6 +179,14 @@ pub struct Scheduler<'e> {
     graphs: DecodeGraphs,
     /// Prompts and finished sequences recently seen, with their keys and values.
     prefix: PrefixCache,
+    /// Bytes the running sequences' caches may take together.
+    kv_budget: usize,
+    /// Sequences put aside for memory, oldest first: their caches dropped, the rest kept.
+    preempted: VecDeque<Sequence>,
+    /// Sequences preempted so far.
+    preemptions: u64,
+    /// Requests that failed after they were added, with why, since the last `take_failed`.
+    failed: Vec<(RequestId, String)>,
 }
 
 /// Time per phase of the scheduler's steps (`ART_PROFILE_DECODE=1`), summed over a busy period
@@ -189,6 +214,9 @@ struct DecodeProfile {
     /// Prefilling and retiring sequences.
     prefill: f64,
     retire: f64,
+    /// Sequences preempted for memory, and resumed.
+    preempted: usize,
+    resumed: usize,
 }
 
 impl DecodeProfile {
@@ -212,6 +240,8 @@ impl DecodeProfile {
             accept: 0.0,
             prefill: 0.0,
             retire: 0.0,
+            preempted: 0,
+            resumed: 0,
         }
     }
 
@@ -235,7 +265,8 @@ impl DecodeProfile {
         eprintln!(
             "PROFILE scheduler: {} requests in {:.3} s, {} steps; {} decode forwards of {:.1} rows, \
              ms each: forward {:.2}, device sampling + copy to host {:.2}, host sampling {:.2}, \
-             bookkeeping {:.2}; prefill {:.3} s, retire {:.3} s, outside the phases {:.3} s",
+             bookkeeping {:.2}; prefill {:.3} s, retire {:.3} s, outside the phases {:.3} s; \
+             preempted {}, resumed {}",
             self.requests,
             wall,
             self.steps,
@@ -248,6 +279,8 @@ impl DecodeProfile {
             self.prefill,
             self.retire,
             (wall - phases).max(0.0),
+            self.preempted,
+            self.resumed,
         );
         *self = DecodeProfile::new();
     }
@@ -274,7 +307,41 @@ impl<'e> Scheduler<'e> {
             profile: DecodeProfile::from_env(),
             graphs: DecodeGraphs::default(),
             prefix: PrefixCache::new(default_prefix_cache_bytes(engine)),
+            kv_budget: default_kv_budget(engine),
+            preempted: VecDeque::new(),
+            preemptions: 0,
+            failed: Vec::new(),
         }
+    }
+
+    /// How many bytes the running sequences' caches may take together (see the module docs).
+    /// The default is half the GPU's free memory when the scheduler is made, or a quarter of
+    /// the machine's available memory on the CPU.
+    pub fn set_kv_budget(&mut self, bytes: usize) {
+        self.kv_budget = bytes;
+    }
+
+    pub fn kv_budget(&self) -> usize {
+        self.kv_budget
+    }
+
+    /// Bytes the running sequences' caches take now.
+    pub fn kv_bytes_in_use(&self) -> usize {
+        self.running.iter().map(|s| s.cache.bytes()).sum()
+    }
+
+    /// Sequences preempted for memory since the scheduler was made.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// Bytes a sequence's cache takes when it holds `len` tokens after a prefill of `prompt`.
+    fn kv_bytes_for(&self, prompt: usize, len: usize) -> usize {
+        let mut capacity = grown_capacity(0, prompt);
+        while capacity < len {
+            capacity = grown_capacity(capacity, capacity + 1);
+        }
+        capacity * self.engine.model().kv_bytes_per_position()
     }
 
     /// Bytes the prefix cache holds now.
@@ -319,6 +386,19 @@ impl<'e> Scheduler<'e> {
             .params
             .validate()
             .map_err(EngineError::InvalidRequest)?;
+        let prompt = request.prompt.len();
+        let longest = (prompt + request.params.max_tokens).min(config.max_position_embeddings);
+        let needed = self.kv_bytes_for(prompt, longest);
+        if needed > self.kv_budget {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt's {prompt} tokens and max_tokens {} need {} MiB of key/value cache, \
+                 more than the server's budget of {} MiB (lower max_tokens, or raise the budget: \
+                 `art serve --kv-cache-mib`)",
+                request.params.max_tokens,
+                needed.div_ceil(1 << 20),
+                self.kv_budget >> 20
+            )));
+        }
         let adapter = match &request.adapter {
             None => None,
             Some(name) => Some(self.engine.adapter(name).ok_or_else(|| {
@@ -352,16 +432,18 @@ impl<'e> Scheduler<'e> {
 
     /// Drops a request, queued or running. Returns whether it was there.
     pub fn cancel(&mut self, id: RequestId) -> bool {
-        let before = self.waiting.len() + self.running.len();
+        let in_flight = |s: &Self| s.waiting.len() + s.running.len() + s.preempted.len();
+        let before = in_flight(self);
         self.waiting.retain(|(r, _, _)| *r != id);
         self.running.retain(|s| s.request != id);
+        self.preempted.retain(|s| s.request != id);
         let was_pending = self.pending.remove(&id).is_some();
-        was_pending || before != self.waiting.len() + self.running.len()
+        was_pending || before != in_flight(self)
     }
 
-    /// Sequences being decoded (completions, not requests).
+    /// Sequences started and not finished (completions, not requests), preempted ones included.
     pub fn num_running(&self) -> usize {
-        self.running.len()
+        self.running.len() + self.preempted.len()
     }
 
     /// Requests not started yet.
@@ -371,7 +453,7 @@ impl<'e> Scheduler<'e> {
 
     /// Nothing queued or running.
     pub fn is_idle(&self) -> bool {
-        self.waiting.is_empty() && self.running.is_empty()
+        self.waiting.is_empty() && self.running.is_empty() && self.preempted.is_empty()
     }
 
     /// Requests whose completions have all finished, since the last call.
@@ -379,16 +461,23 @@ impl<'e> Scheduler<'e> {
         std::mem::take(&mut self.finished)
     }
 
+    /// Requests that failed while running, with why, since the last call. (Only a sequence that
+    /// outgrows the memory budget alone does: [`Scheduler::add`] refuses one that would.)
+    pub fn take_failed(&mut self) -> Vec<(RequestId, String)> {
+        std::mem::take(&mut self.failed)
+    }
+
     /// Advances every sequence by one token (see the module docs). Returns the new tokens.
     pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
         let mut events = Vec::new();
-        // Decode the sequences that were already running before this step's prefills.
-        let decode_count = self.running.len();
         if let Some(p) = &mut self.profile {
             p.lap();
             p.since.get_or_insert(p.mark);
             p.steps += 1;
         }
+        self.make_room_to_decode();
+        // Decode the sequences that were already running before this step's prefills.
+        let decode_count = self.running.len();
         self.decode(decode_count, &mut events)?;
         if let Some(p) = &mut self.profile {
             p.lap();
@@ -400,7 +489,7 @@ impl<'e> Scheduler<'e> {
         self.retire();
         if let Some(p) = &mut self.profile {
             p.retire += p.lap();
-            if self.waiting.is_empty() && self.running.is_empty() {
+            if self.waiting.is_empty() && self.running.is_empty() && self.preempted.is_empty() {
                 p.report();
             }
         }
@@ -418,8 +507,16 @@ impl<'e> Scheduler<'e> {
     /// Starts waiting requests, up to the step's prefill budget (at least one request); a
     /// prompt's tokens found in the prefix cache, or repeating a request admitted before it in
     /// this step, do not count against it.
+    /// Preempted sequences resume first, oldest first, as memory allows; a new request starts
+    /// only when none waits to resume and its sequences' caches fit beside the running ones (or
+    /// nothing runs: its sequences beyond the budget then start preempted).
     fn prefill(&mut self, events: &mut Vec<TokenEvent>) -> Result<()> {
+        self.resume_preempted()?;
+        if !self.preempted.is_empty() {
+            return Ok(());
+        }
         let mut budget = self.max_prefill_tokens_per_step;
+        let mut memory = self.kv_budget.saturating_sub(self.kv_bytes_in_use());
         let mut admitted = Vec::new();
         let mut seen: HashSet<(AdapterKey, Vec<u32>)> = HashSet::new();
         while let Some((_, request, adapter)) = self.waiting.front() {
@@ -432,6 +529,13 @@ impl<'e> Scheduler<'e> {
             if !admitted.is_empty() && new_tokens > budget {
                 break;
             }
+            let prompt = request.prompt.len();
+            let caches = request.params.n * self.kv_bytes_for(prompt, prompt + 1);
+            let idle = admitted.is_empty() && self.running.is_empty();
+            if caches > memory && !idle {
+                break;
+            }
+            memory = memory.saturating_sub(caches);
             budget = budget.saturating_sub(new_tokens);
             seen.insert(key);
             admitted.push(self.waiting.pop_front().expect("checked above"));
@@ -560,10 +664,16 @@ impl<'e> Scheduler<'e> {
                 };
                 let mut row = row.clone();
                 uses[source] -= 1;
-                let cache = if uses[source] == 0 {
-                    std::mem::take(cache)
+                // A copy that would pass the budget is not made: the sequence starts preempted
+                // (its first token sampled), and its cache is rebuilt when memory allows.
+                let fits = self.running.is_empty()
+                    || self.kv_bytes_in_use() + cache.bytes() <= self.kv_budget;
+                let (cache, preempted) = if uses[source] == 0 {
+                    (std::mem::take(cache), false)
+                } else if fits {
+                    (cache.deep_clone()?, false)
                 } else {
-                    cache.deep_clone()?
+                    (model.new_cache(), true)
                 };
                 let mut seq = Sequence {
                     request: id,
@@ -579,7 +689,94 @@ impl<'e> Scheduler<'e> {
                     guide: constraint.as_ref().map(CompiledConstraint::start),
                 };
                 self.engine.sample_and_accept(&mut seq, &mut row, events);
-                self.running.push(seq);
+                if preempted && seq.finish.is_none() {
+                    self.count_preemption();
+                    self.preempted.push_back(seq);
+                } else {
+                    self.running.push(seq);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn count_preemption(&mut self) {
+        self.preemptions += 1;
+        if let Some(p) = &mut self.profile {
+            p.preempted += 1;
+        }
+    }
+
+    /// Preempts the newest running sequences until every other one's cache can take its next
+    /// token within the budget. A sequence that cannot even alone fails its request (`add`
+    /// refuses requests that could get there, so this is a last resort).
+    fn make_room_to_decode(&mut self) {
+        let per_position = self.engine.model().kv_bytes_per_position();
+        let next =
+            |s: &Sequence| per_position * grown_capacity(s.cache.capacity(), s.cache.len() + 1);
+        let mut needed: usize = self.running.iter().map(next).sum();
+        while needed > self.kv_budget {
+            // `running` is in arrival order (see `retire`): the last is the newest.
+            let Some(mut seq) = self.running.pop() else {
+                return;
+            };
+            needed -= next(&seq);
+            if self.running.is_empty() {
+                let message = format!(
+                    "the completion needs {} MiB of key/value cache for its {} tokens, more than \
+                     the server's budget of {} MiB",
+                    next(&seq).div_ceil(1 << 20),
+                    seq.cache.len() + 1,
+                    self.kv_budget >> 20
+                );
+                self.fail_request(seq.request, message);
+                return;
+            }
+            seq.cache = self.engine.model().new_cache();
+            self.count_preemption();
+            // Before the ones preempted earlier in this step: they are older, and resume first.
+            let at = self
+                .preempted
+                .iter()
+                .position(|p| (p.request, p.index) > (seq.request, seq.index))
+                .unwrap_or(self.preempted.len());
+            self.preempted.insert(at, seq);
+        }
+    }
+
+    /// Drops a request's sequences and reports it failed.
+    fn fail_request(&mut self, id: RequestId, message: String) {
+        self.cancel(id);
+        self.failed.push((id, message));
+    }
+
+    /// Rebuilds the caches of preempted sequences, oldest first, while they fit beside the
+    /// running ones (the first always does when nothing runs), and returns them to the batch.
+    fn resume_preempted(&mut self) -> Result<()> {
+        let model = self.engine.model();
+        while let Some(seq) = self.preempted.front() {
+            let len = seq.prompt.len() + seq.generated.len() - 1;
+            let needed = self.kv_bytes_for(len, len + 1);
+            if !self.running.is_empty() && self.kv_bytes_in_use() + needed > self.kv_budget {
+                break;
+            }
+            let mut seq = self.preempted.pop_front().expect("checked above");
+            let tokens: Vec<u32> = seq.cached_tokens().collect();
+            let mut cache = match self.prefix.reuse(seq.adapter.as_ref(), &tokens)? {
+                Some(reuse) => reuse.cache,
+                None => model.new_cache(),
+            };
+            if cache.len() < tokens.len() {
+                let rest = &tokens[cache.len()..];
+                let input = Tensor::new(rest, model.device())?.unsqueeze(0)?;
+                let fwd = self.forward_options(seq.adapter.as_deref());
+                // Only the cache is wanted: the logits after the last token were sampled before.
+                model.forward_cached(&input, &mut [&mut cache], fwd, true)?;
+            }
+            seq.cache = cache;
+            self.running.push(seq);
+            if let Some(p) = &mut self.profile {
+                p.resumed += 1;
             }
         }
         Ok(())
@@ -811,6 +1008,16 @@ fn default_prefix_cache_bytes(engine: &Engine) -> usize {
         2048 * MIB
     } else {
         256 * MIB
+    }
+}
+
+/// The running caches' default budget: half the GPU's free memory (the trainer and the prefix
+/// cache need the rest), or a quarter of the memory the machine has available.
+fn default_kv_budget(engine: &Engine) -> usize {
+    const GIB: usize = 1 << 30;
+    match super::gpu_memory(engine.model().device()) {
+        Some((free, _)) => free / 2,
+        None => super::gpu::available_host_memory().map_or(4 * GIB, |bytes| bytes / 4),
     }
 }
 

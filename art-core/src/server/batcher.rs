@@ -2,8 +2,11 @@
 //! decode steps it admits newly arrived requests (up to `max_batch` sequences in flight), so 64
 //! concurrent rollouts share each forward pass instead of queueing behind each other. Requests
 //! wait in a bounded queue; past it the server answers 429 rather than dropping anything.
+//! Within the batch, the scheduler starts requests as its key/value cache budget allows and
+//! preempts (then resumes) sequences rather than running out of memory.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
@@ -29,32 +32,86 @@ struct Submission {
     events: mpsc::UnboundedSender<BatchEvent>,
 }
 
+/// How much memory the scheduler's caches may take (`None`: its default for the device).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CacheBudgets {
+    /// Keys and values kept for prompts seen before.
+    pub prefix_cache_bytes: Option<usize>,
+    /// The running sequences' keys and values.
+    pub kv_cache_bytes: Option<usize>,
+}
+
+/// What the batching thread reports after each step (for `/health`).
+#[derive(Debug, Default)]
+pub struct BatcherStats {
+    /// Sequences started and not finished (preempted ones included), and requests not started.
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    /// The running sequences' key/value caches, and the budget they share.
+    pub kv_cache_bytes: AtomicU64,
+    pub kv_cache_budget_bytes: AtomicU64,
+    /// Sequences preempted for memory since the server started.
+    pub preemptions: AtomicU64,
+}
+
+impl BatcherStats {
+    pub fn to_json(&self) -> serde_json::Value {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mib = |a: &AtomicU64| get(a) as f64 / (1u64 << 20) as f64;
+        serde_json::json!({
+            "running_sequences": get(&self.running),
+            "waiting_requests": get(&self.waiting),
+            "kv_cache_mib": (mib(&self.kv_cache_bytes) * 100.0).round() / 100.0,
+            "kv_cache_budget_mib": (mib(&self.kv_cache_budget_bytes) * 100.0).round() / 100.0,
+            "preemptions": get(&self.preemptions),
+        })
+    }
+
+    fn update(&self, scheduler: &crate::engine::Scheduler<'_>, new_preemptions: u64) {
+        let set = |a: &AtomicU64, v: usize| a.store(v as u64, Ordering::Relaxed);
+        set(&self.running, scheduler.num_running());
+        set(&self.waiting, scheduler.num_waiting());
+        set(&self.kv_cache_bytes, scheduler.kv_bytes_in_use());
+        set(&self.kv_cache_budget_bytes, scheduler.kv_budget());
+        self.preemptions
+            .fetch_add(new_preemptions, Ordering::Relaxed);
+    }
+}
+
 /// A handle to the batching thread; cheap to clone.
 #[derive(Clone)]
 pub struct Batcher {
     queue: mpsc::Sender<Submission>,
     capacity: usize,
+    stats: Arc<BatcherStats>,
 }
 
 impl Batcher {
     /// Starts the batching thread. `max_batch` bounds the sequences decoded together;
-    /// `max_queue` the requests waiting for a place; `prefix_cache_bytes` the keys and values
-    /// kept for prompts seen before (`None`: the scheduler's default).
+    /// `max_queue` the requests waiting for a place.
     pub fn start(
         engine: Arc<Engine>,
         max_batch: usize,
         max_queue: usize,
-        prefix_cache_bytes: Option<usize>,
+        budgets: CacheBudgets,
     ) -> Self {
         let (queue, receiver) = mpsc::channel(max_queue.max(1));
+        let stats = Arc::new(BatcherStats::default());
+        let shared = stats.clone();
         std::thread::Builder::new()
             .name("art-batcher".into())
-            .spawn(move || run(&engine, receiver, max_batch.max(1), prefix_cache_bytes))
+            .spawn(move || run(&engine, receiver, max_batch.max(1), budgets, &shared))
             .expect("the batching thread starts");
         Batcher {
             queue,
             capacity: max_queue.max(1),
+            stats,
         }
+    }
+
+    /// The batch and its memory as of the last step.
+    pub fn stats(&self) -> &BatcherStats {
+        &self.stats
     }
 
     /// Queues a request; its tokens and its result arrive on the returned receiver. Dropping the
@@ -80,16 +137,23 @@ fn run(
     engine: &Engine,
     mut queue: mpsc::Receiver<Submission>,
     max_batch: usize,
-    prefix_cache_bytes: Option<usize>,
+    budgets: CacheBudgets,
+    stats: &BatcherStats,
 ) {
     let new_scheduler = || {
         let mut scheduler = engine.scheduler();
-        if let Some(bytes) = prefix_cache_bytes {
+        if let Some(bytes) = budgets.prefix_cache_bytes {
             scheduler.set_prefix_cache_budget(bytes);
+        }
+        if let Some(bytes) = budgets.kv_cache_bytes {
+            scheduler.set_kv_budget(bytes);
         }
         scheduler
     };
     let mut scheduler = new_scheduler();
+    stats.update(&scheduler, 0);
+    // Preemptions of the current scheduler already counted in `stats`.
+    let mut preemptions_seen = 0;
     let mut clients: HashMap<RequestId, mpsc::UnboundedSender<BatchEvent>> = HashMap::new();
     loop {
         if scheduler.is_idle() {
@@ -135,12 +199,26 @@ fn run(
                     });
                 }
                 scheduler = new_scheduler();
+                preemptions_seen = 0;
+                stats.update(&scheduler, 0);
                 continue;
             }
         }
         for (id, output) in scheduler.take_finished() {
             if let Some(client) = clients.remove(&id) {
                 let _ = client.send(BatchEvent::Done(output));
+            }
+        }
+        let preemptions = scheduler.preemptions();
+        stats.update(&scheduler, preemptions - preemptions_seen);
+        preemptions_seen = preemptions;
+        // A sequence too long for the cache budget: the client can ask for fewer tokens.
+        for (id, message) in scheduler.take_failed() {
+            if let Some(client) = clients.remove(&id) {
+                let _ = client.send(BatchEvent::Failed {
+                    message,
+                    invalid_request: true,
+                });
             }
         }
     }

@@ -31,7 +31,7 @@ use tracing::Instrument as _;
 use crate::engine::{Engine, LoadOptions, ModelSource};
 
 pub use crate::types::{ModelInfo, RegisterRequest};
-pub use batcher::{BatchEvent, Batcher};
+pub use batcher::{BatchEvent, Batcher, CacheBudgets};
 pub use error::ApiError;
 pub use state::{AppState, Shared};
 
@@ -65,6 +65,10 @@ pub struct ServeOptions {
     /// MiB of keys and values kept for prompts seen before (0: none); `None`: the scheduler's
     /// default for the device (256 MiB on the CPU, 2 GiB on a GPU).
     pub prefix_cache_mib: Option<usize>,
+    /// MiB the running sequences' keys and values may take together; past it the newest are
+    /// preempted and resumed later. `None`: the scheduler's default (half the GPU's free memory,
+    /// a quarter of the machine's available memory on the CPU).
+    pub kv_cache_mib: Option<usize>,
     pub load: LoadOptions,
 }
 
@@ -83,6 +87,7 @@ impl Default for ServeOptions {
             art_dir: PathBuf::from(".art"),
             quantized: false,
             prefix_cache_mib: None,
+            kv_cache_mib: None,
             load: LoadOptions::default(),
         }
     }
@@ -128,7 +133,10 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
             engine.clone(),
             options.max_batch,
             options.max_queue,
-            options.prefix_cache_mib.map(|mib| mib << 20),
+            CacheBudgets {
+                prefix_cache_bytes: options.prefix_cache_mib.map(|mib| mib << 20),
+                kv_cache_bytes: options.kv_cache_mib.map(|mib| mib << 20),
+            },
         ),
         engine,
         template,
@@ -292,7 +300,11 @@ async fn require_api_key(
 }
 
 async fn health(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({"status": "ok", "model": state.base_model}))
+    Json(json!({
+        "status": "ok",
+        "model": state.base_model,
+        "batch": state.batcher.stats().to_json(),
+    }))
 }
 
 async fn list_models(State(state): State<AppState>) -> Json<Value> {

@@ -87,7 +87,7 @@ impl KvCache {
         if len <= capacity {
             return Ok(());
         }
-        let new_capacity = len.max(2 * capacity).max(64);
+        let new_capacity = grown_capacity(capacity, len);
         self.buf = Some(match &self.buf {
             Some(old) => copy_positions(old, self.len, new_capacity)?,
             None => Tensor::zeros((self.num_layers, 2, kv, new_capacity, hd), dtype, device)?,
@@ -138,6 +138,17 @@ impl KvCache {
         kb.slice_set(&k.contiguous()?, 2, start)?;
         vb.slice_set(&v.contiguous()?, 2, start)?;
         Ok((kb.narrow(2, 0, new_len)?, vb.narrow(2, 0, new_len)?))
+    }
+}
+
+/// The capacity a buffer of `capacity` positions has once it holds `len`: itself if `len` fits,
+/// else doubled (at least 64 positions, at least `len`). The scheduler's memory accounting
+/// predicts growth with it.
+pub fn grown_capacity(capacity: usize, len: usize) -> usize {
+    if len <= capacity {
+        capacity
+    } else {
+        len.max(2 * capacity).max(64)
     }
 }
 
