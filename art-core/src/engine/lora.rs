@@ -303,12 +303,12 @@ impl LoraAdapter {
         let json = serde_json::to_string_pretty(&config).expect("adapter config serializes");
         let path = dir.join("adapter_config.json");
         std::fs::write(&path, json).map_err(|e| EngineError::io(&path, e))?;
-        let tensors: HashMap<String, Tensor> = self
-            .named_vars()
+        let (names, vars): (Vec<String>, Vec<Var>) = self.named_vars().into_iter().unzip();
+        let values: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let tensors: HashMap<String, Tensor> = names
             .into_iter()
-            .map(|(n, v)| (n, v.as_tensor().to_dtype(DType::F32)))
-            .map(|(n, t)| t.map(|t| (n, t)))
-            .collect::<candle_core::Result<_>>()?;
+            .zip(super::gpu::to_host(&values, DType::F32)?)
+            .collect();
         candle_core::safetensors::save(&tensors, dir.join("adapter_model.safetensors"))?;
         Ok(())
     }

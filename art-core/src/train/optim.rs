@@ -182,11 +182,19 @@ impl AdamW {
     /// Writes `optimizer.safetensors` (moments, named `<variable>.exp_avg` / `.exp_avg_sq`) and
     /// `optimizer.json` (step count, betas, eps) into `dir`.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        let mut tensors = HashMap::new();
+        let mut names = Vec::with_capacity(2 * self.slots.len());
+        let mut values = Vec::with_capacity(2 * self.slots.len());
         for slot in &self.slots {
-            tensors.insert(format!("{}.exp_avg", slot.name), slot.m.clone());
-            tensors.insert(format!("{}.exp_avg_sq", slot.name), slot.v.clone());
+            names.push(format!("{}.exp_avg", slot.name));
+            values.push(slot.m.clone());
+            names.push(format!("{}.exp_avg_sq", slot.name));
+            values.push(slot.v.clone());
         }
+        let dtype = values.first().map_or(DType::F32, Tensor::dtype);
+        let tensors: HashMap<String, Tensor> = names
+            .into_iter()
+            .zip(crate::engine::to_host(&values, dtype)?)
+            .collect();
         candle_core::safetensors::save(&tensors, dir.join(STATE_TENSORS))?;
         let json = serde_json::to_string_pretty(&SavedState {
             t: self.t,

@@ -255,7 +255,8 @@ impl Trainer {
     /// Writes the current state as the checkpoint of `self.step`, atomically and durably:
     /// everything goes into a temporary directory that is synced and renamed into place
     /// ([`fsutil::publish_dir`]); one left by a crash is removed when the trainer next starts.
-    fn save_checkpoint(&self, metrics: &StepMetrics) -> Result<PathBuf> {
+    /// Returns its directory and the seconds spent syncing it.
+    fn save_checkpoint(&self, metrics: &StepMetrics) -> Result<(PathBuf, f64)> {
         let final_dir = checkpoint_dir(&self.model_dir, self.step);
         let parent = final_dir.parent().expect("checkpoint dir has a parent");
         std::fs::create_dir_all(parent).map_err(|e| TrainError::io(parent, e))?;
@@ -274,8 +275,9 @@ impl Trainer {
             serde_json::to_string_pretty(&state).expect("state serializes"),
         )
         .map_err(|e| TrainError::io(&path, e))?;
+        let publishing = Instant::now();
         fsutil::publish_dir(&tmp, &final_dir).map_err(|e| TrainError::io(&final_dir, e))?;
-        Ok(final_dir)
+        Ok((final_dir, publishing.elapsed().as_secs_f64()))
     }
 
     /// One GRPO step over all `groups`: tokenize, compute advantages, forward/backward every
@@ -374,18 +376,19 @@ impl Trainer {
             duration_s: started.elapsed().as_secs_f64(),
         };
         let saving = Instant::now();
-        let checkpoint = self.save_checkpoint(&metrics)?;
+        let (checkpoint, synced_s) = self.save_checkpoint(&metrics)?;
         let serving = Instant::now();
         self.register()?;
         if crate::engine::switches::PROFILE_TRAIN.on() {
             eprintln!(
                 "PROFILE train step {}: batch {:.3} s, update {:.3} s (compute {:.3} s), \
-                 checkpoint {:.3} s, serving {:.3} s",
+                 checkpoint {:.3} s (syncing it to disk {:.3} s), serving {:.3} s",
                 self.step,
                 prepared_s,
                 metrics.duration_s - prepared_s,
                 update.compute_s,
                 (serving - saving).as_secs_f64(),
+                synced_s,
                 serving.elapsed().as_secs_f64(),
             );
         }
@@ -497,7 +500,7 @@ impl Trainer {
             ..Default::default()
         };
         let checkpoint = match self.save_checkpoint(&metrics) {
-            Ok(dir) => dir,
+            Ok((dir, _)) => dir,
             Err(e) => {
                 self.step -= 1;
                 self.reload()?;
@@ -668,6 +671,9 @@ impl Trainer {
             self.optimizer
                 .step(&grads, config.learning_rate, config.weight_decay)?;
         }
+        // The update's kernels are queued on a GPU: wait for them, so that the time (and the
+        // step's tokens/s) is the compute's, not the checkpoint's that would wait after.
+        self.engine.device().synchronize()?;
         u.compute_s = started.elapsed().as_secs_f64();
         Ok(u)
     }
