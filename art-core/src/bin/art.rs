@@ -50,8 +50,9 @@ struct ServeArgs {
     /// weights, so the trainer's probabilities then differ slightly from the sampler's.
     #[arg(long)]
     quantized: bool,
-    /// Sequences decoded together at most.
-    #[arg(long, default_value_t = 64)]
+    /// Sequences decoded together at most (the key/value cache budget may allow fewer). A GRPO
+    /// step's rollouts (128 in the main job) then run as one batch, not in waves.
+    #[arg(long, default_value_t = 256)]
     max_batch: usize,
     /// Requests queued beyond the batch before new ones are answered 429.
     #[arg(long, default_value_t = 1024)]

@@ -81,7 +81,7 @@ impl Default for ServeOptions {
             host: "127.0.0.1".into(),
             port: 8000,
             api_key: None,
-            max_batch: 64,
+            max_batch: 256,
             max_queue: 1024,
             default_max_tokens: 1024,
             art_dir: PathBuf::from(".art"),
