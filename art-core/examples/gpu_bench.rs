@@ -992,6 +992,72 @@ fn parity(device: &Device) {
                 failures += 1;
                 println!("PARITY {name} CUDA graphs {dtype:?}: FAIL");
             }
+            // Adapter slots: on one scheduler (as a server keeps it), the graphs captured through
+            // one adapter replay for the adapters that follow it (a GRPO step's new one), their
+            // weights copied in, and sample what the launched step does through each.
+            {
+                let noisy = |seed: u64| {
+                    let a = LoraAdapter::new(gpu.config(), &LoraConfig::default(), device, seed)
+                        .unwrap();
+                    for (name, var) in a.named_vars() {
+                        if name.contains("lora_B") {
+                            let noise = Tensor::randn(0f32, 0.05, var.shape(), device).unwrap();
+                            var.set(&noise.to_dtype(var.dtype()).unwrap()).unwrap();
+                        }
+                    }
+                    std::sync::Arc::new(a)
+                };
+                let requests = || -> Vec<GenerationRequest> {
+                    (0..4)
+                        .map(|i| GenerationRequest {
+                            prompt: prompt[..20 - 2 * i].to_vec(),
+                            params: SamplingParams {
+                                temperature: [0.0, 1.0][i % 2],
+                                seed: Some(i as u64),
+                                max_tokens: 24,
+                                ignore_eos: true,
+                                ..Default::default()
+                            },
+                            adapter: Some("slot-probe".to_string()),
+                        })
+                        .collect()
+                };
+                let mut scheduler = gpu.scheduler();
+                let (mut same, mut total, mut worst) = (0, 0, 0f64);
+                let mut captures = Vec::new();
+                // Three adapters: the first two get a slot each, the third reuses the first's.
+                for seed in [11, 12, 13] {
+                    gpu.set_adapter("slot-probe", noisy(seed)).unwrap();
+                    CUDA_GRAPHS.set(false);
+                    let launched = gpu.generate(requests()).unwrap();
+                    CUDA_GRAPHS.set(true);
+                    let ids: Vec<_> = requests()
+                        .into_iter()
+                        .map(|r| scheduler.add(r).unwrap())
+                        .collect();
+                    let mut done = std::collections::HashMap::new();
+                    while !scheduler.is_idle() {
+                        scheduler.step().unwrap();
+                        done.extend(scheduler.take_finished());
+                    }
+                    let replayed: Vec<_> = ids.iter().map(|id| done.remove(id).unwrap()).collect();
+                    let (s, t, w) = agreement(&replayed, &launched);
+                    (same, total, worst) = (same + s, total + t, worst.max(w));
+                    captures.push(scheduler.graph_captures());
+                }
+                let reused = captures[2] == captures[1];
+                println!(
+                    "PARITY {name} CUDA graph adapter slots {dtype:?} (three adapters in turn on one \
+                     scheduler): {same}/{total} tokens equal to the launched step's; max logprob \
+                     diff {worst:.2e}; graphs captured after each adapter {captures:?} (the third \
+                     captures none: {reused})"
+                );
+                if same != total || !reused {
+                    failures += 1;
+                    println!("PARITY {name} CUDA graph adapter slots {dtype:?}: FAIL");
+                }
+                gpu.remove_adapter("slot-probe");
+            }
             // Cached decode logits against the full forward, on the GPU itself: the decode
             // step's kernels (our products for these few rows, the adapter's update inside
             // them) against the prefill path's (cuBLAS, the adapter apart), with and without

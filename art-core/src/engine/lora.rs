@@ -110,7 +110,7 @@ impl LoraPair {
 
 /// Whether two optional adapters are the same one (by identity: an adapter replaced under the same
 /// name is another), `None` being the base model. What was computed through one adapter (cached
-/// keys and values, a captured graph) serves only requests for that very adapter.
+/// keys and values) serves only requests for that very adapter.
 pub(crate) fn same_adapter(a: Option<&Arc<LoraAdapter>>, b: Option<&Arc<LoraAdapter>>) -> bool {
     match (a, b) {
         (None, None) => true,
@@ -281,6 +281,26 @@ impl LoraAdapter {
             config: self.config.clone(),
             layers,
         })
+    }
+
+    /// Whether `other` has this adapter's configuration and tensors of the same shapes and
+    /// dtypes, so that [`LoraAdapter::copy_from`] applies.
+    pub(crate) fn same_layout(&self, other: &LoraAdapter) -> bool {
+        let (a, b) = (self.named_vars(), other.named_vars());
+        self.config == other.config
+            && a.len() == b.len()
+            && a.iter()
+                .zip(&b)
+                .all(|((n, x), (m, y))| n == m && x.shape() == y.shape() && x.dtype() == y.dtype())
+    }
+
+    /// Overwrites this adapter's weights with `other`'s, in place (the buffers keep their
+    /// addresses). `other` must have the same layout ([`LoraAdapter::same_layout`]).
+    pub(crate) fn copy_from(&self, other: &LoraAdapter) -> Result<()> {
+        for ((_, dst), (_, src)) in self.named_vars().iter().zip(other.named_vars()) {
+            dst.set(src.as_tensor())?;
+        }
+        Ok(())
     }
 
     /// Writes `adapter_config.json` and `adapter_model.safetensors` into `dir` (created if

@@ -228,7 +228,8 @@ impl Engine {
     }
 
     /// Registers (or replaces) a LoRA adapter under `name`; requests naming it use it from
-    /// their next start. Sequences already running keep the adapter they started with.
+    /// their next start. Sequences already running keep the adapter they started with. Its
+    /// weights must not change in place afterwards: the GPU's decode graphs read a copy.
     pub fn set_adapter(&self, name: impl Into<String>, adapter: Arc<LoraAdapter>) -> Result<()> {
         if adapter.num_layers() != self.config().num_hidden_layers {
             return Err(EngineError::Adapter(format!(

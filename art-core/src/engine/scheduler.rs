@@ -330,6 +330,11 @@ impl<'e> Scheduler<'e> {
         self.running.iter().map(|s| s.cache.bytes()).sum()
     }
 
+    /// CUDA graphs of the decode step captured so far (see [`DecodeGraphs`]).
+    pub fn graph_captures(&self) -> u64 {
+        self.graphs.captures()
+    }
+
     /// Sequences preempted for memory since the scheduler was made.
     pub fn preemptions(&self) -> u64 {
         self.preemptions

@@ -14,18 +14,22 @@
 //! reads the positions from the table on the GPU. The cache addresses may change between steps
 //! (a cache grows by doubling): they are data in the table, not part of the graph.
 //!
-//! A graph reads the adapter's weights where they were at capture, so each adapter gets its own
-//! graphs; the adapter is kept alive while they exist (a few adapters' worth at most).
+//! A graph reads an adapter's weights at the addresses it was captured with, so graphs through an
+//! adapter read a copy of its weights kept here (a slot), and serve every adapter of the same
+//! shape: when another comes, its weights are copied into the slot (one device copy per tensor)
+//! and the graphs replay as they are. GRPO serves a new adapter every step; capturing graphs per
+//! adapter cost about what replaying them saved. Two slots, so that two adapters in use at once
+//! (the last step's rollouts finishing beside the next's) do not copy at every step.
+//! An adapter's weights must not change in place while it is served: a slot holds a copy.
 //! Capturing must not record another thread's work on the same stream: it holds the engine's
 //! device gate exclusively ([`crate::engine::Engine::device_gate`]), which the trainer holds
 //! shared while it enqueues work. Anything the graphs do not cover (no CUDA, quantized weights,
 //! caches longer than the decode kernel takes, more rows than the largest bucket, or a capture
 //! that failed) runs the ordinary path. `ART_CUDA_GRAPHS=0` turns them off.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use super::*;
-use crate::engine::lora::same_adapter;
 
 /// Batch sizes a graph is captured for: a step of `b` rows replays the smallest that holds it.
 const BUCKETS: [usize; 16] = [
@@ -35,10 +39,16 @@ const BUCKETS: [usize; 16] = [
 /// Graphs kept at most; the least recently used goes first.
 const MAX_GRAPHS: usize = 32;
 
+/// Adapters' weights kept for the graphs at most (see the module docs).
+const MAX_SLOTS: usize = 2;
+
 /// The decode graphs of one scheduler, captured as batch sizes and adapters come.
 #[derive(Default)]
 pub struct DecodeGraphs {
     captured: Vec<Captured>,
+    slots: Vec<AdapterSlot>,
+    /// Graphs captured so far.
+    captures: u64,
     /// Where padding rows write their keys and values: `[kv_heads, 1, head_dim]`.
     scratch: Option<Tensor>,
     /// Why a capture failed, if one did: the ordinary path runs from then on (logged once).
@@ -47,9 +57,62 @@ pub struct DecodeGraphs {
     replays: u64,
 }
 
+/// A copy of an adapter's weights at fixed addresses, read by the graphs captured through it.
+struct AdapterSlot {
+    weights: LoraAdapter,
+    /// The adapter whose weights it holds now (weak: a replaced adapter is freed, while its
+    /// address, which identifies it, is not reused as long as this is kept).
+    holds: Weak<LoraAdapter>,
+    last_used: u64,
+}
+
+impl DecodeGraphs {
+    /// Graphs captured so far (each capture costs about what tens of replays save).
+    pub fn captures(&self) -> u64 {
+        self.captures
+    }
+
+    /// The slot that holds `adapter`'s weights, copied into one if none does yet: a new slot
+    /// while there is room, else the least recently used one of the same layout (its graphs
+    /// serve on), else the least recently used one, whose graphs go with it.
+    fn slot_for(&mut self, adapter: &Arc<LoraAdapter>) -> Result<usize> {
+        let clock = self.replays;
+        let holds = |s: &AdapterSlot| Weak::as_ptr(&s.holds) == Arc::as_ptr(adapter);
+        if let Some(i) = self.slots.iter().position(holds) {
+            self.slots[i].last_used = clock;
+            return Ok(i);
+        }
+        let least_recent = |slots: &[AdapterSlot], same_layout: bool| {
+            (0..slots.len())
+                .filter(|&i| !same_layout || slots[i].weights.same_layout(adapter))
+                .min_by_key(|&i| slots[i].last_used)
+        };
+        let i = if self.slots.len() < MAX_SLOTS {
+            self.slots.push(AdapterSlot {
+                weights: adapter.snapshot()?,
+                holds: Weak::new(),
+                last_used: clock,
+            });
+            self.slots.len() - 1
+        } else if let Some(i) = least_recent(&self.slots, true) {
+            self.slots[i].weights.copy_from(adapter)?;
+            i
+        } else {
+            let i = least_recent(&self.slots, false).expect("MAX_SLOTS > 0");
+            self.captured.retain(|c| c.slot != Some(i));
+            self.slots[i].weights = adapter.snapshot()?;
+            i
+        };
+        self.slots[i].holds = Arc::downgrade(adapter);
+        self.slots[i].last_used = clock;
+        Ok(i)
+    }
+}
+
 struct Captured {
     bucket: usize,
-    adapter: Option<Arc<LoraAdapter>>,
+    /// The adapter slot its products read, if any.
+    slot: Option<usize>,
     /// Token ids `[bucket, 1]` (u32), filled before each replay.
     ids: Tensor,
     /// The decode plan's table for `bucket` rows (i64), filled before each replay.
@@ -114,10 +177,11 @@ impl Model {
 
         graphs.replays += 1;
         let clock = graphs.replays;
+        let slot = adapter.map(|a| graphs.slot_for(a)).transpose()?;
         let found = graphs
             .captured
             .iter()
-            .position(|c| c.bucket == bucket && same_adapter(c.adapter.as_ref(), adapter));
+            .position(|c| c.bucket == bucket && c.slot == slot);
         let index = match found {
             Some(i) => {
                 let c = &graphs.captured[i];
@@ -127,8 +191,10 @@ impl Model {
             }
             None => {
                 let _exclusive = gate.write().unwrap_or_else(|e| e.into_inner());
-                match self.capture_decode(bucket, adapter, &ids, &table) {
+                let weights = slot.map(|i| &graphs.slots[i].weights);
+                match self.capture_decode(bucket, slot, weights, &ids, &table) {
                     Ok(c) => {
+                        graphs.captures += 1;
                         if graphs.captured.len() >= MAX_GRAPHS {
                             let oldest = (0..graphs.captured.len())
                                 .min_by_key(|&i| graphs.captured[i].last_used)
@@ -189,13 +255,14 @@ impl Model {
     fn capture_decode(
         &self,
         bucket: usize,
-        adapter: Option<&Arc<LoraAdapter>>,
+        slot: Option<usize>,
+        adapter: Option<&LoraAdapter>,
         ids: &Tensor,
         table: &Tensor,
     ) -> Result<Captured> {
         use candle_core::cuda_backend::cudarc::driver::sys;
         let fwd = Forward {
-            adapter: adapter.map(|a| a.as_ref()),
+            adapter,
             train: false,
             quantized: false,
         };
@@ -234,7 +301,7 @@ impl Model {
         graph.upload().map_err(driver)?;
         Ok(Captured {
             bucket,
-            adapter: adapter.cloned(),
+            slot,
             ids,
             table,
             logits,
@@ -249,7 +316,8 @@ impl Model {
     fn capture_decode(
         &self,
         _: usize,
-        _: Option<&Arc<LoraAdapter>>,
+        _: Option<usize>,
+        _: Option<&LoraAdapter>,
         _: &Tensor,
         _: &Tensor,
     ) -> Result<Captured> {
