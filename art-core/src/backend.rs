@@ -694,7 +694,7 @@ impl Http {
     /// A client for one request, made where it is used (see `ChatEndpoint::client` for why
     /// clients are not kept).
     fn client(&self) -> reqwest::Client {
-        crate::client::request_client(None)
+        crate::client::request_client(&self.base_url, None)
     }
 
     async fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, BackendError> {

@@ -115,11 +115,16 @@ pub(crate) fn backoff(retries: usize) -> ExponentialBuilder {
         .with_max_times(retries)
 }
 
-/// The HTTP client of one request (see `ChatEndpoint::client` for why none is kept). No idle
-/// timeout on pooled connections: its reaper is a task that calls tokio's timer from a runtime
-/// thread, where (in the kernel) the cell's tokio has no context.
-pub(crate) fn request_client(timeout: Option<Duration>) -> reqwest::Client {
-    let builder = reqwest::Client::builder().pool_idle_timeout(None);
+/// The HTTP client of one request to `base_url` (see `ChatEndpoint::client` for why none is
+/// kept). No idle timeout on pooled connections: its reaper is a task that calls tokio's timer
+/// from a runtime thread, where (in the kernel) the cell's tokio has no context. A plain `http://`
+/// server (a local backend) gets no TLS roots: loading the system's took ~2.6 ms per client
+/// here, a third of a second of every GPU GRPO step's 128 rollouts.
+pub(crate) fn request_client(base_url: &str, timeout: Option<Duration>) -> reqwest::Client {
+    let mut builder = reqwest::Client::builder().pool_idle_timeout(None);
+    if base_url.starts_with("http://") {
+        builder = builder.tls_certs_only(Vec::new());
+    }
     match timeout {
         Some(timeout) => builder.timeout(timeout),
         None => builder,
@@ -181,7 +186,7 @@ impl ChatEndpoint {
             .with_api_base(&self.base_url)
             .with_api_key(self.api_key.clone().unwrap_or_default());
         async_openai::Client::with_config(EndpointConfig(config))
-            .with_http_client(request_client(Some(self.timeout)))
+            .with_http_client(request_client(&self.base_url, Some(self.timeout)))
     }
 
     pub fn base_url(&self) -> &str {
