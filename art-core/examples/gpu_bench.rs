@@ -949,16 +949,18 @@ fn parity(device: &Device) {
             // The decode step replayed from CUDA graphs against the same step launched kernel by
             // kernel: greedy and seeded sampling, on the base model and through a LoRA adapter
             // (random B, so that it changes the tokens).
-            let adapter =
-                LoraAdapter::new(gpu.config(), &LoraConfig::default(), device, 5).unwrap();
-            for (name, var) in adapter.named_vars() {
-                if name.contains("lora_B") {
-                    let noise = Tensor::randn(0f32, 0.05, var.shape(), device).unwrap();
-                    var.set(&noise.to_dtype(var.dtype()).unwrap()).unwrap();
+            let noisy = |seed: u64| {
+                let a =
+                    LoraAdapter::new(gpu.config(), &LoraConfig::default(), device, seed).unwrap();
+                for (name, var) in a.named_vars() {
+                    if name.contains("lora_B") {
+                        let noise = Tensor::randn(0f32, 0.05, var.shape(), device).unwrap();
+                        var.set(&noise.to_dtype(var.dtype()).unwrap()).unwrap();
+                    }
                 }
-            }
-            gpu.set_adapter("probe", std::sync::Arc::new(adapter))
-                .unwrap();
+                std::sync::Arc::new(a)
+            };
+            gpu.set_adapter("probe", noisy(5)).unwrap();
             let mixed = |e: &Engine| {
                 let reqs = (0..6)
                     .map(|i| GenerationRequest {
@@ -996,17 +998,6 @@ fn parity(device: &Device) {
             // one adapter replay for the adapters that follow it (a GRPO step's new one), their
             // weights copied in, and sample what the launched step does through each.
             {
-                let noisy = |seed: u64| {
-                    let a = LoraAdapter::new(gpu.config(), &LoraConfig::default(), device, seed)
-                        .unwrap();
-                    for (name, var) in a.named_vars() {
-                        if name.contains("lora_B") {
-                            let noise = Tensor::randn(0f32, 0.05, var.shape(), device).unwrap();
-                            var.set(&noise.to_dtype(var.dtype()).unwrap()).unwrap();
-                        }
-                    }
-                    std::sync::Arc::new(a)
-                };
                 let requests = || -> Vec<GenerationRequest> {
                     (0..4)
                         .map(|i| GenerationRequest {
@@ -1031,16 +1022,7 @@ fn parity(device: &Device) {
                     CUDA_GRAPHS.set(false);
                     let launched = gpu.generate(requests()).unwrap();
                     CUDA_GRAPHS.set(true);
-                    let ids: Vec<_> = requests()
-                        .into_iter()
-                        .map(|r| scheduler.add(r).unwrap())
-                        .collect();
-                    let mut done = std::collections::HashMap::new();
-                    while !scheduler.is_idle() {
-                        scheduler.step().unwrap();
-                        done.extend(scheduler.take_finished());
-                    }
-                    let replayed: Vec<_> = ids.iter().map(|id| done.remove(id).unwrap()).collect();
+                    let replayed = scheduler.generate(requests()).unwrap();
                     let (s, t, w) = agreement(&replayed, &launched);
                     (same, total, worst) = (same + s, total + t, worst.max(w));
                     captures.push(scheduler.graph_captures());

@@ -711,16 +711,7 @@ fn run_all(
     scheduler: &mut art_core::engine::Scheduler<'_>,
     requests: Vec<GenerationRequest>,
 ) -> Vec<art_core::engine::GenerationOutput> {
-    let ids: Vec<_> = requests
-        .into_iter()
-        .map(|r| scheduler.add(r).unwrap())
-        .collect();
-    let mut done = std::collections::HashMap::new();
-    while !scheduler.is_idle() {
-        scheduler.step().unwrap();
-        done.extend(scheduler.take_finished());
-    }
-    ids.iter().map(|id| done.remove(id).unwrap()).collect()
+    scheduler.generate(requests).unwrap()
 }
 
 fn assert_same_completion(

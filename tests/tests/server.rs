@@ -21,6 +21,15 @@ async fn post(server: &TestServer, body: Value) -> (u16, Value) {
     (status, response.json().await.unwrap())
 }
 
+async fn health(server: &TestServer) -> Value {
+    reqwest::get(server.base_url.replace("/v1", "/health"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 fn chat(extra: Value) -> Value {
     let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8});
     body.as_object_mut()
@@ -70,12 +79,7 @@ async fn a_chat_completion_has_the_openai_shape_and_token_ids() {
         .await
         .unwrap();
     assert_eq!(models["data"][0]["id"], "tiny");
-    let health: Value = reqwest::get(server.base_url.replace("/v1", "/health"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let health = health(&server).await;
     assert_eq!(health["status"], "ok");
 }
 
@@ -365,23 +369,11 @@ fn quantized_sampling_needs_a_gguf_model() {
 /// test, which hangs up on them at the end, so the outcome does not hang on timing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_queue_answers_429_and_loses_nothing() {
-    let dir = temp_dir("long-context");
-    let model = dir.path().join("tiny-long-context");
-    RandomModelSpec {
-        max_position_embeddings: 8192,
-        ..RandomModelSpec::tiny(Architecture::Qwen2)
-    }
-    .write(&model, 7)
-    .unwrap();
-    let options = ServeOptions {
-        model: model.display().to_string(),
-        served_model_name: Some("tiny".into()),
-        art_dir: dir.path().join(".art"),
-        max_batch: 2,
-        max_queue: 2,
-        ..ServeOptions::default()
-    };
-    let server = TestServer::start(options, dir).await;
+    let server = long_context_server("long-context", |o| {
+        o.max_batch = 2;
+        o.max_queue = 2;
+    })
+    .await;
     let client = reqwest::Client::new();
     let mut long_streams = Vec::new();
     for seed in 0..2 {
@@ -562,13 +554,10 @@ async fn the_trainer_renders_the_prompt_the_server_sampled_from() {
     assert!(diff < 1e-4, "mean |sampler - trainer| logprob = {diff}");
 }
 
-/// A key/value cache budget of 1 MiB (four of these sequences at full length): 24 concurrent
-/// requests of 400 tokens all succeed, the newest sequences preempted and resumed along the way,
-/// and one that could never fit is refused with a 400 that names the limit, without disturbing
-/// the others. ~3 s.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_small_kv_cache_budget_preempts_instead_of_failing() {
-    let dir = temp_dir("kv-budget");
+/// The tiny model with an 8,192-token context (for sequences long enough to fill a batch or a
+/// memory budget), served with the options `configure` sets.
+async fn long_context_server(tag: &str, configure: impl FnOnce(&mut ServeOptions)) -> TestServer {
+    let dir = temp_dir(tag);
     let model = dir.path().join("tiny-long-context");
     RandomModelSpec {
         max_position_embeddings: 8192,
@@ -576,14 +565,23 @@ async fn a_small_kv_cache_budget_preempts_instead_of_failing() {
     }
     .write(&model, 7)
     .unwrap();
-    let options = ServeOptions {
+    let mut options = ServeOptions {
         model: model.display().to_string(),
         served_model_name: Some("tiny".into()),
         art_dir: dir.path().join(".art"),
-        kv_cache_mib: Some(1),
         ..ServeOptions::default()
     };
-    let server = TestServer::start(options, dir).await;
+    configure(&mut options);
+    TestServer::start(options, dir).await
+}
+
+/// A key/value cache budget of 1 MiB (four of these sequences at full length): 24 concurrent
+/// requests of 400 tokens all succeed, the newest sequences preempted and resumed along the way,
+/// and one that could never fit is refused with a 400 that names the limit, without disturbing
+/// the others. ~3 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_kv_cache_budget_preempts_instead_of_failing() {
+    let server = long_context_server("kv-budget", |o| o.kv_cache_mib = Some(1)).await;
     let body = |seed: u64| {
         chat(json!({"seed": seed, "max_tokens": 400, "ignore_eos": true, "temperature": 1.0}))
     };
@@ -592,12 +590,7 @@ async fn a_small_kv_cache_budget_preempts_instead_of_failing() {
         assert_eq!(*status, 200, "{answer}");
         assert_eq!(answer["usage"]["completion_tokens"], 400, "{answer}");
     }
-    let health: Value = reqwest::get(server.base_url.replace("/v1", "/health"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let health = health(&server).await;
     let batch = &health["batch"];
     assert!(batch["preemptions"].as_u64().unwrap() > 0, "{health}");
     assert_eq!(batch["kv_cache_budget_mib"], 1.0, "{health}");

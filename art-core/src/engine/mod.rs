@@ -312,20 +312,7 @@ impl Engine {
 
     /// Generates for all `requests` together (batched) and returns their outputs in order.
     pub fn generate(&self, requests: Vec<GenerationRequest>) -> Result<Vec<GenerationOutput>> {
-        let mut scheduler = self.scheduler();
-        let ids = requests
-            .into_iter()
-            .map(|r| scheduler.add(r))
-            .collect::<Result<Vec<_>>>()?;
-        let mut done: HashMap<RequestId, GenerationOutput> = HashMap::new();
-        while !scheduler.is_idle() {
-            scheduler.step()?;
-            done.extend(scheduler.take_finished());
-        }
-        Ok(ids
-            .into_iter()
-            .map(|id| done.remove(&id).expect("every request finishes"))
-            .collect())
+        self.scheduler().generate(requests)
     }
 
     /// Log-probabilities of `tokens[1..]` given their prefixes (one full forward with the dense

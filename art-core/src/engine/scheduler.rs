@@ -435,6 +435,27 @@ impl<'e> Scheduler<'e> {
         Ok(id)
     }
 
+    /// Runs `requests`, added together, until every one is done (with whatever else is queued
+    /// here); their outputs in order. A request that fails while running fails the call.
+    pub fn generate(&mut self, requests: Vec<GenerationRequest>) -> Result<Vec<GenerationOutput>> {
+        let ids = requests
+            .into_iter()
+            .map(|r| self.add(r))
+            .collect::<Result<Vec<_>>>()?;
+        let mut done: HashMap<RequestId, GenerationOutput> = HashMap::new();
+        while !self.is_idle() {
+            self.step()?;
+            done.extend(self.take_finished());
+            if let Some((_, why)) = self.take_failed().into_iter().next() {
+                return Err(EngineError::InvalidRequest(why));
+            }
+        }
+        Ok(ids
+            .into_iter()
+            .map(|id| done.remove(&id).expect("every request finishes"))
+            .collect())
+    }
+
     /// Drops a request, queued or running. Returns whether it was there.
     pub fn cancel(&mut self, id: RequestId) -> bool {
         let in_flight = |s: &Self| s.waiting.len() + s.running.len() + s.preempted.len();
