@@ -214,6 +214,12 @@ struct DecodeProfile {
     /// Prefilling and retiring sequences.
     prefill: f64,
     retire: f64,
+    /// Of the prefill: its forwards (one per adapter and prompt length to compute) and their
+    /// rows, their time to the logits on the host, and sampling the new sequences' first tokens.
+    prefill_forwards: usize,
+    prefill_rows: usize,
+    prefill_forward: f64,
+    first_tokens: f64,
     /// Sequences preempted for memory, and resumed.
     preempted: usize,
     resumed: usize,
@@ -240,6 +246,10 @@ impl DecodeProfile {
             accept: 0.0,
             prefill: 0.0,
             retire: 0.0,
+            prefill_forwards: 0,
+            prefill_rows: 0,
+            prefill_forward: 0.0,
+            first_tokens: 0.0,
             preempted: 0,
             resumed: 0,
         }
@@ -265,8 +275,8 @@ impl DecodeProfile {
         eprintln!(
             "PROFILE scheduler: {} requests in {:.3} s, {} steps; {} decode forwards of {:.1} rows, \
              ms each: forward {:.2}, device sampling + copy to host {:.2}, host sampling {:.2}, \
-             bookkeeping {:.2}; prefill {:.3} s, retire {:.3} s, outside the phases {:.3} s; \
-             preempted {}, resumed {}",
+             bookkeeping {:.2}; prefill {:.3} s ({} forwards of {:.1} rows {:.3} s, first tokens \
+             {:.3} s), retire {:.3} s, outside the phases {:.3} s; preempted {}, resumed {}",
             self.requests,
             wall,
             self.steps,
@@ -277,6 +287,10 @@ impl DecodeProfile {
             ms(self.sample),
             ms(self.accept),
             self.prefill,
+            self.prefill_forwards,
+            self.prefill_rows as f64 / self.prefill_forwards.max(1) as f64,
+            self.prefill_forward,
+            self.first_tokens,
             self.retire,
             (wall - phases).max(0.0),
             self.preempted,
@@ -645,12 +659,18 @@ impl<'e> Scheduler<'e> {
                 .collect();
             let input = Tensor::from_vec(ids, (members.len(), new_tokens), model.device())?;
             let adapter = admitted[members[0]].2.as_ref();
+            let timer = Instant::now();
             let logits = {
                 let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
                 let fwd = self.forward_options(adapter.map(Arc::as_ref));
                 model.forward_cached(&input, &mut refs, fwd, true)?
             };
             let rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
+            if let Some(p) = &mut self.profile {
+                p.prefill_forwards += 1;
+                p.prefill_rows += members.len();
+                p.prefill_forward += timer.elapsed().as_secs_f64();
+            }
             for ((&i, cache), row) in members.iter().zip(caches).zip(rows) {
                 let prompt = &admitted[i].1.prompt;
                 let kept = cache.copy_prefix(prompt.len(), prompt.len())?;
@@ -665,6 +685,10 @@ impl<'e> Scheduler<'e> {
         // Every request's `n` sequences, each with its own copy of the prompt's cache (the last
         // user of a cache takes it).
         let mut uses = vec![0usize; admitted.len()];
+        // The new sequences with their first logits (and whether they start preempted), and the
+        // bytes the batch's caches take with theirs.
+        let mut new: Vec<(Sequence, Vec<f32>, bool)> = Vec::new();
+        let mut in_use = self.kv_bytes_in_use();
         for (i, start) in starts.iter().enumerate() {
             let source = match start {
                 Start::Repeat(first) => *first,
@@ -688,12 +712,11 @@ impl<'e> Scheduler<'e> {
                 let Start::Ready(cache, row) = &mut starts[source] else {
                     unreachable!("every request to run was run");
                 };
-                let mut row = row.clone();
+                let row = row.clone();
                 uses[source] -= 1;
                 // A copy that would pass the budget is not made: the sequence starts preempted
                 // (its first token sampled), and its cache is rebuilt when memory allows.
-                let fits = self.running.is_empty()
-                    || self.kv_bytes_in_use() + cache.bytes() <= self.kv_budget;
+                let fits = in_use == 0 || in_use + cache.bytes() <= self.kv_budget;
                 let (cache, preempted) = if uses[source] == 0 {
                     (std::mem::take(cache), false)
                 } else if fits {
@@ -701,7 +724,8 @@ impl<'e> Scheduler<'e> {
                 } else {
                     (model.new_cache(), true)
                 };
-                let mut seq = Sequence {
+                in_use += cache.bytes();
+                let seq = Sequence {
                     request: id,
                     index,
                     prompt: prompt.clone(),
@@ -714,14 +738,37 @@ impl<'e> Scheduler<'e> {
                     finish: None,
                     guide: constraint.as_ref().map(CompiledConstraint::start),
                 };
-                self.engine.sample_and_accept(&mut seq, &mut row, events);
-                if preempted && seq.finish.is_none() {
-                    self.count_preemption();
-                    self.preempted.push_back(seq);
-                } else {
-                    self.running.push(seq);
-                }
+                new.push((seq, row, preempted));
             }
+        }
+        let timer = Instant::now();
+        // On the GPU the host is otherwise idle: sample the unconstrained first tokens in
+        // parallel (each sequence has its own random stream, so the tokens do not change).
+        let mut first: Vec<Option<SampledToken>> = vec![None; new.len()];
+        if model.device().is_cuda() {
+            let jobs: Vec<(&mut Sampler, &[f32], &mut Option<SampledToken>)> = new
+                .iter_mut()
+                .zip(first.iter_mut())
+                .filter(|((seq, _, _), _)| seq.guide.is_none())
+                .map(|((seq, row, _), slot)| (&mut seq.sampler, row.as_slice(), slot))
+                .collect();
+            jobs.into_par_iter()
+                .for_each(|(sampler, row, slot)| *slot = Some(sampler.sample(row)));
+        }
+        for ((mut seq, mut row, preempted), token) in new.into_iter().zip(first) {
+            match token {
+                Some(token) => self.engine.accept_sampled(&mut seq, token, events),
+                None => self.engine.sample_and_accept(&mut seq, &mut row, events),
+            }
+            if preempted && seq.finish.is_none() {
+                self.count_preemption();
+                self.preempted.push_back(seq);
+            } else {
+                self.running.push(seq);
+            }
+        }
+        if let Some(p) = &mut self.profile {
+            p.first_tokens += timer.elapsed().as_secs_f64();
         }
         Ok(())
     }
