@@ -703,19 +703,78 @@ impl Model {
             }
             return Ok(logits);
         }
+        let x = self.layers_cached(input_ids, caches, &fwd)?;
+        for cache in caches.iter_mut() {
+            cache.len += l;
+        }
+        let x = if last_only && l > 1 {
+            x.narrow(1, l - 1, 1)?
+        } else {
+            x
+        };
+        self.head(&x, &fwd)
+    }
+
+    /// A prefill of right-padded rows: row `b` of `input_ids` (`[B, L]`) is `lens[b]` tokens
+    /// that continue `caches[b]`, then padding; every cache must hold as many positions. Returns
+    /// the logits after each row's last token, `[B, 1, vocab]`; each cache keeps its row's
+    /// `lens[b]` tokens. One forward for prompts of different lengths instead of one per length:
+    /// attention is causal, so the padding after a row's tokens changes none of their keys,
+    /// values or logits, and what it writes past them in the cache is overwritten by the
+    /// sequence's next tokens.
+    pub fn forward_prefill(
+        &self,
+        input_ids: &Tensor,
+        lens: &[usize],
+        caches: &mut [&mut KvCache],
+        fwd: Forward,
+    ) -> Result<Tensor> {
+        self.check_ids(input_ids)?;
+        let (b, l) = input_ids.dims2()?;
+        if caches.len() != b || lens.len() != b {
+            return Err(EngineError::InvalidRequest(format!(
+                "{b} rows of tokens, {} lengths and {} caches",
+                lens.len(),
+                caches.len()
+            )));
+        }
+        if lens.iter().any(|&n| n == 0 || n > l) || caches.iter().any(|c| c.len != caches[0].len) {
+            return Err(EngineError::InvalidRequest(
+                "a padded prefill needs rows of 1..=L tokens continuing caches of one length"
+                    .into(),
+            ));
+        }
+        let x = self.layers_cached(input_ids, caches, &fwd)?;
+        let last: Vec<u32> = lens
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| (r * l + n - 1) as u32)
+            .collect();
+        let last = Tensor::from_vec(last, b, &self.device)?;
+        let (_, _, hidden) = x.dims3()?;
+        let x = x.reshape((b * l, hidden))?.index_select(&last, 0)?;
+        for (cache, &n) in caches.iter_mut().zip(lens) {
+            cache.len += n;
+        }
+        self.head(&x.unsqueeze(1)?, &fwd)
+    }
+
+    /// The layers over `input_ids` (`[B, L]`), row `b` continuing `caches[b]` (which receive the
+    /// new keys and values; their lengths are the caller's to advance): the last hidden states.
+    fn layers_cached(
+        &self,
+        input_ids: &Tensor,
+        caches: &mut [&mut KvCache],
+        fwd: &Forward,
+    ) -> Result<Tensor> {
+        let l = input_ids.dim(1)?;
         let starts: Vec<usize> = caches.iter().map(|c| c.len).collect();
         let rope = self.rotary.tables(&starts, l, self.dtype, &self.device)?;
         let mut x = self.embed(input_ids)?;
         for layer in &self.layers {
-            x = layer.forward(&x, &rope, Some(&mut *caches), None, &fwd)?;
+            x = layer.forward(&x, &rope, Some(&mut *caches), None, fwd)?;
         }
-        for cache in caches.iter_mut() {
-            cache.len += l;
-        }
-        if last_only && l > 1 {
-            x = x.narrow(1, l - 1, 1)?;
-        }
-        self.head(&x, &fwd)
+        Ok(x)
     }
 }
 

@@ -625,23 +625,28 @@ impl<'e> Scheduler<'e> {
             })
             .collect();
 
-        // One forward per adapter and number of new tokens (each row continues its own cache).
-        let mut batches: Vec<((AdapterKey, usize), Vec<usize>)> = Vec::new();
+        // One forward per adapter and cache length (each row continues its own cache), the
+        // rows right-padded to the longest (see `padded_batches`).
+        // `(index, new tokens)` of the rows of each adapter and cache length.
+        type Rows = Vec<(usize, usize)>;
+        let mut groups: Vec<((AdapterKey, usize), Rows)> = Vec::new();
         for (i, start) in starts.iter().enumerate() {
             if let Start::Run(cache) = start {
                 let (_, request, adapter) = &admitted[i];
-                let key = (
-                    adapter_key(adapter.as_ref()),
-                    request.prompt.len() - cache.len(),
-                );
-                match batches.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, members)) => members.push(i),
-                    None => batches.push((key, vec![i])),
+                let key = (adapter_key(adapter.as_ref()), cache.len());
+                let row = (i, request.prompt.len() - cache.len());
+                match groups.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, rows)) => rows.push(row),
+                    None => groups.push((key, vec![row])),
                 }
             }
         }
         let engine = self.engine;
-        for ((_, new_tokens), members) in batches {
+        for (members, lens) in groups
+            .into_iter()
+            .flat_map(|(_, rows)| padded_batches(rows))
+        {
+            let width = lens.iter().copied().max().expect("batches are not empty");
             // (Each member's place holds a placeholder until its prefill is done, below.)
             let mut caches: Vec<KvCache> = members
                 .iter()
@@ -652,18 +657,19 @@ impl<'e> Scheduler<'e> {
                     },
                 )
                 .collect();
-            let ids: Vec<u32> = members
-                .iter()
-                .zip(&caches)
-                .flat_map(|(&i, cache)| admitted[i].1.prompt[cache.len()..].iter().copied())
-                .collect();
-            let input = Tensor::from_vec(ids, (members.len(), new_tokens), model.device())?;
+            let mut ids: Vec<u32> = Vec::with_capacity(members.len() * width);
+            for (&i, cache) in members.iter().zip(&caches) {
+                let new = &admitted[i].1.prompt[cache.len()..];
+                ids.extend_from_slice(new);
+                ids.resize(ids.len() + width - new.len(), 0);
+            }
+            let input = Tensor::from_vec(ids, (members.len(), width), model.device())?;
             let adapter = admitted[members[0]].2.as_ref();
             let timer = Instant::now();
             let logits = {
                 let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
                 let fwd = self.forward_options(adapter.map(Arc::as_ref));
-                model.forward_cached(&input, &mut refs, fwd, true)?
+                model.forward_prefill(&input, &lens, &mut refs, fwd)?
             };
             let rows: Vec<Vec<f32>> = logits.squeeze(1)?.to_vec2()?;
             if let Some(p) = &mut self.profile {
@@ -1073,6 +1079,32 @@ impl<'e> Scheduler<'e> {
     }
 }
 
+/// Splits a prefill's rows (`(index, new tokens)`, all continuing caches of one length) into
+/// batches of one forward each, `(indices, lengths)`: rows of similar lengths together, so that
+/// right-padding them to the longest adds at most a fifth to the positions they hold. Prompts
+/// arrive with a few tokens' difference (one forward instead of one per length: each prefill
+/// forward of a small model on a GPU is launch-bound, ~35 ms), rarely with ten times as many.
+fn padded_batches(mut rows: Vec<(usize, usize)>) -> Vec<(Vec<usize>, Vec<usize>)> {
+    rows.sort_by_key(|&(_, len)| len);
+    let mut batches: Vec<(Vec<usize>, Vec<usize>)> = Vec::new();
+    let mut tokens = 0;
+    for (i, len) in rows {
+        // Sorted, so `len` is the batch's longest row if it joins.
+        let fits = batches
+            .last()
+            .is_some_and(|(members, _)| 5 * len * (members.len() + 1) <= 6 * (tokens + len));
+        if !fits {
+            batches.push((Vec::new(), Vec::new()));
+            tokens = 0;
+        }
+        let (members, lens) = batches.last_mut().expect("pushed above");
+        members.push(i);
+        lens.push(len);
+        tokens += len;
+    }
+    batches
+}
+
 /// The prefix cache's default budget: a small share of a CPU machine's memory, more on a GPU
 /// (its memory is the card's, and GRPO groups of long prompts are what it serves).
 fn default_prefix_cache_bytes(engine: &Engine) -> usize {
@@ -1170,6 +1202,23 @@ impl Engine {
             token,
             text,
             finished: finish,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::padded_batches;
+
+    #[test]
+    fn rows_of_similar_lengths_share_a_padded_batch() {
+        let batches = padded_batches(vec![(0, 50), (1, 48), (2, 500), (3, 52), (4, 1), (5, 49)]);
+        let lens: Vec<Vec<usize>> = batches.iter().map(|(_, lens)| lens.clone()).collect();
+        assert_eq!(lens, vec![vec![1], vec![48, 49, 50, 52], vec![500]]);
+        assert_eq!(batches[1].0, vec![1, 5, 0, 3]);
+        for (_, lens) in &batches {
+            let real: usize = lens.iter().sum();
+            assert!(5 * lens.len() * lens.iter().max().unwrap() <= 6 * real);
         }
     }
 }
