@@ -1,6 +1,8 @@
 //! The GPU device and its memory: how the engine opens a CUDA device, and how much of the
 //! card's memory is in use (for benchmarks and logs).
 
+use std::collections::HashMap;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -70,10 +72,20 @@ pub fn gpu_memory(device: &Device) -> Option<(usize, usize)> {
     None
 }
 
+/// Writes `named` tensors as `dtype` to a safetensors file at `path`, brought to the host first
+/// in one transfer (see [`to_host`]).
+pub fn save_safetensors(named: Vec<(String, Tensor)>, dtype: DType, path: &Path) -> Result<()> {
+    let (names, values): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
+    let tensors: HashMap<String, Tensor> =
+        names.into_iter().zip(to_host(&values, dtype)?).collect();
+    candle_core::safetensors::save(&tensors, path)?;
+    Ok(())
+}
+
 /// `tensors` on the host as `dtype`. From a GPU in one transfer: copied one by one, each
 /// would wait for the device on its own (a checkpoint's adapter and optimizer state are ~1,300
 /// tensors, and the waits took most of a GPU training step's checkpoint).
-pub fn to_host(tensors: &[Tensor], dtype: DType) -> Result<Vec<Tensor>> {
+fn to_host(tensors: &[Tensor], dtype: DType) -> Result<Vec<Tensor>> {
     if tensors.iter().all(|t| t.device().is_cpu()) {
         return Ok(tensors
             .iter()

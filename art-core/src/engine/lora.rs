@@ -323,14 +323,13 @@ impl LoraAdapter {
         let json = serde_json::to_string_pretty(&config).expect("adapter config serializes");
         let path = dir.join("adapter_config.json");
         std::fs::write(&path, json).map_err(|e| EngineError::io(&path, e))?;
-        let (names, vars): (Vec<String>, Vec<Var>) = self.named_vars().into_iter().unzip();
-        let values: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let tensors: HashMap<String, Tensor> = names
+        let named = self
+            .named_vars()
             .into_iter()
-            .zip(super::gpu::to_host(&values, DType::F32)?)
+            .map(|(name, var)| (name, var.as_tensor().clone()))
             .collect();
-        candle_core::safetensors::save(&tensors, dir.join("adapter_model.safetensors"))?;
-        Ok(())
+        let path = dir.join("adapter_model.safetensors");
+        super::gpu::save_safetensors(named, DType::F32, &path)
     }
 
     /// Reads an adapter saved by PEFT (or by [`LoraAdapter::save_peft`]) for a model of `model`'s

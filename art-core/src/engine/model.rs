@@ -203,12 +203,12 @@ impl RopeTables {
     }
 }
 
-/// Additive causal mask `[1, 1, 1, L, offset + L]` (for [`add_mask`]): query `l` sees keys
-/// `0..=offset + l`.
 /// The most attention scores a batched prefill holds at once (64 Mi: 256 MiB in f32); a batch
 /// whose scores would be more attends row by row.
 const MAX_BATCHED_SCORES: usize = 1 << 26;
 
+/// Additive causal mask `[1, 1, 1, L, offset + L]` (for [`add_mask`]): query `l` sees keys
+/// `0..=offset + l`.
 fn causal_mask(len: usize, offset: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let total = offset + len;
     let mask: Vec<f32> = (0..len)

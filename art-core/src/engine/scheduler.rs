@@ -126,12 +126,39 @@ struct Sequence {
 }
 
 impl Sequence {
-    /// The tokens its cache holds while it runs: the prompt and every generated token but the
-    /// last (`next_input`, not yet fed to the model).
+    /// How many tokens its cache holds while it runs: the prompt and every generated token but
+    /// the last (`next_input`, not yet fed to the model).
+    fn cached_len(&self) -> usize {
+        self.prompt.len() + self.generated.len() - 1
+    }
+
+    /// Those tokens.
     fn cached_tokens(&self) -> impl Iterator<Item = u32> + '_ {
-        let len = self.prompt.len() + self.generated.len() - 1;
         let generated = self.generated.iter().map(|t| t.id);
-        self.prompt.iter().copied().chain(generated).take(len)
+        self.prompt
+            .iter()
+            .copied()
+            .chain(generated)
+            .take(self.cached_len())
+    }
+}
+
+/// A sequence's sampler, the logits row it samples from, and where its token goes.
+type HostDraw<'a> = (&'a mut Sampler, &'a [f32], &'a mut Option<SampledToken>);
+
+/// Samples on the host: in parallel when `parallel` (on a GPU machine, whose host is otherwise
+/// idle while it waits; each sequence has its own random stream, so the tokens do not change),
+/// else one by one (on the CPU the cores are the model's: with rayon's pool the 256-request load
+/// test, tests/server.rs, took 20.9 s instead of 4.6 s on 2 cores).
+fn sample_on_host(draws: Vec<HostDraw<'_>>, parallel: bool) {
+    if parallel && draws.len() > 1 {
+        draws
+            .into_par_iter()
+            .for_each(|(sampler, row, slot)| *slot = Some(sampler.sample(row)));
+    } else {
+        for (sampler, row, slot) in draws {
+            *slot = Some(sampler.sample(row));
+        }
     }
 }
 
@@ -748,19 +775,15 @@ impl<'e> Scheduler<'e> {
             }
         }
         let timer = Instant::now();
-        // On the GPU the host is otherwise idle: sample the unconstrained first tokens in
-        // parallel (each sequence has its own random stream, so the tokens do not change).
+        // The unconstrained first tokens together; constrained ones are masked first, below.
         let mut first: Vec<Option<SampledToken>> = vec![None; new.len()];
-        if model.device().is_cuda() {
-            let jobs: Vec<(&mut Sampler, &[f32], &mut Option<SampledToken>)> = new
-                .iter_mut()
-                .zip(first.iter_mut())
-                .filter(|((seq, _, _), _)| seq.guide.is_none())
-                .map(|((seq, row, _), slot)| (&mut seq.sampler, row.as_slice(), slot))
-                .collect();
-            jobs.into_par_iter()
-                .for_each(|(sampler, row, slot)| *slot = Some(sampler.sample(row)));
-        }
+        let draws: Vec<HostDraw> = new
+            .iter_mut()
+            .zip(first.iter_mut())
+            .filter(|((seq, _, _), _)| seq.guide.is_none())
+            .map(|((seq, row, _), slot)| (&mut seq.sampler, row.as_slice(), slot))
+            .collect();
+        sample_on_host(draws, model.device().is_cuda());
         for ((mut seq, mut row, preempted), token) in new.into_iter().zip(first) {
             match token {
                 Some(token) => self.engine.accept_sampled(&mut seq, token, events),
@@ -834,7 +857,7 @@ impl<'e> Scheduler<'e> {
     fn resume_preempted(&mut self) -> Result<()> {
         let model = self.engine.model();
         while let Some(seq) = self.preempted.front() {
-            let len = seq.prompt.len() + seq.generated.len() - 1;
+            let len = seq.cached_len();
             let needed = self.kv_bytes_for(len, len + 1);
             if !self.running.is_empty() && self.kv_bytes_in_use() + needed > self.kv_budget {
                 break;
@@ -962,12 +985,9 @@ impl<'e> Scheduler<'e> {
                 p.to_host += p.lap();
             }
             // Sampling reads a whole vocabulary row a few times per sequence: for a large batch
-            // and vocabulary that is milliseconds per row, so on the GPU (the host is otherwise
-            // idle while it waits) the unconstrained rows left to the host (top-k, top-p, top
-            // log-probabilities, or `ART_GPU_SAMPLE=0`) are sampled in parallel; each sequence has
-            // its own random stream, so the results do not change. Not on the CPU: its cores are
-            // the model's; with rayon's pool there the 256-request load test (tests/server.rs)
-            // took 20.9 s instead of 4.6 s on 2 cores.
+            // and vocabulary that is milliseconds per row, so the unconstrained rows left to the
+            // host (top-k, top-p, top log-probabilities, or `ART_GPU_SAMPLE=0`) are sampled
+            // together, in parallel on a GPU machine (`sample_on_host`).
             let mut host_row = vec![None; members.len()];
             for (j, &r) in host.iter().enumerate() {
                 host_row[r] = Some(j);
@@ -977,24 +997,17 @@ impl<'e> Scheduler<'e> {
                 for (r, &i) in members.iter().enumerate() {
                     is_member[i] = Some(r);
                 }
-                let mut jobs: Vec<(&mut Sampler, &[f32], &mut Option<SampledToken>)> = Vec::new();
+                let mut draws: Vec<HostDraw> = Vec::new();
                 let mut slots: Vec<Option<&mut Option<SampledToken>>> =
                     drawn.iter_mut().map(Some).collect();
                 for (seq, r) in self.running.iter_mut().zip(&is_member) {
                     let Some(r) = *r else { continue };
                     if let (Some(j), None) = (host_row[r], &seq.guide) {
                         let slot = slots[r].take().expect("one slot per row");
-                        jobs.push((&mut seq.sampler, rows[j].as_slice(), slot));
+                        draws.push((&mut seq.sampler, rows[j].as_slice(), slot));
                     }
                 }
-                if jobs.len() > 1 && model.device().is_cuda() {
-                    jobs.into_par_iter()
-                        .for_each(|(sampler, row, slot)| *slot = Some(sampler.sample(row)));
-                } else {
-                    for (sampler, row, slot) in jobs {
-                        *slot = Some(sampler.sample(row));
-                    }
-                }
+                sample_on_host(draws, model.device().is_cuda());
             }
             if let Some(p) = &mut self.profile {
                 p.sample += p.lap();

@@ -1,7 +1,6 @@
 //! AdamW (PyTorch's formulation, decoupled weight decay) over named variables, with a state
 //! that can be saved and restored so that resumed training continues exactly.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -182,20 +181,13 @@ impl AdamW {
     /// Writes `optimizer.safetensors` (moments, named `<variable>.exp_avg` / `.exp_avg_sq`) and
     /// `optimizer.json` (step count, betas, eps) into `dir`.
     pub fn save(&self, dir: &Path) -> Result<()> {
-        let mut names = Vec::with_capacity(2 * self.slots.len());
-        let mut values = Vec::with_capacity(2 * self.slots.len());
+        let mut named = Vec::with_capacity(2 * self.slots.len());
         for slot in &self.slots {
-            names.push(format!("{}.exp_avg", slot.name));
-            values.push(slot.m.clone());
-            names.push(format!("{}.exp_avg_sq", slot.name));
-            values.push(slot.v.clone());
+            named.push((format!("{}.exp_avg", slot.name), slot.m.clone()));
+            named.push((format!("{}.exp_avg_sq", slot.name), slot.v.clone()));
         }
-        let dtype = values.first().map_or(DType::F32, Tensor::dtype);
-        let tensors: HashMap<String, Tensor> = names
-            .into_iter()
-            .zip(crate::engine::to_host(&values, dtype)?)
-            .collect();
-        candle_core::safetensors::save(&tensors, dir.join(STATE_TENSORS))?;
+        let dtype = named.first().map_or(DType::F32, |(_, t)| t.dtype());
+        crate::engine::save_safetensors(named, dtype, &dir.join(STATE_TENSORS))?;
         let json = serde_json::to_string_pretty(&SavedState {
             t: self.t,
             params: self.params,
