@@ -691,8 +691,7 @@ impl Http {
         }
     }
 
-    /// A client for one request, made where it is used (see `ChatEndpoint::client` for why
-    /// clients are not kept).
+    /// The HTTP client of the running runtime for this server (see `client::request_client`).
     fn client(&self) -> reqwest::Client {
         crate::client::request_client(&self.base_url, None)
     }
