@@ -846,6 +846,60 @@ fn repeated_and_extended_prompts_reuse_the_prefix_cache() {
     }
 }
 
+/// Chunked prefill: a prompt longer than the step's prefill budget, arriving while another
+/// sequence decodes, is prefilled a chunk per step (kept in the prefix cache between steps), so
+/// the running sequence gets a token at every one of those steps; its completion is the one the
+/// prompt gets prefilled whole, and none of its own chunks count as cached tokens. ~0.1 s.
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_while_others_decode() {
+    let (_dir, engine) = tiny(Architecture::Qwen2);
+    let text = "the cat sat on the mat, and the dog sat on the log. ".repeat(8);
+    let long_prompt = engine.encode(&text, false).unwrap();
+    assert!(long_prompt.len() > 120, "{} tokens", long_prompt.len());
+    let sampled = SamplingParams {
+        temperature: 1.0,
+        seed: Some(7),
+        max_tokens: 6,
+        ignore_eos: true,
+        logprobs: true,
+        ..Default::default()
+    };
+    let long = request(long_prompt.clone(), sampled);
+    let whole = engine.generate(vec![long.clone()]).unwrap().remove(0);
+
+    let mut scheduler = engine.scheduler();
+    scheduler.max_prefill_tokens_per_step = 32;
+    let short = scheduler
+        .add(request(
+            prompts(&engine)[0].clone(),
+            greedy_ignoring_eos(40),
+        ))
+        .unwrap();
+    scheduler.step().unwrap();
+    let long_id = scheduler.add(long).unwrap();
+    let mut steps_before_first_token = 0;
+    loop {
+        let events = scheduler.step().unwrap();
+        if events.iter().any(|e| e.request == long_id) {
+            break;
+        }
+        steps_before_first_token += 1;
+        assert!(
+            events.iter().any(|e| e.request == short),
+            "the running sequence got no token at step {steps_before_first_token}"
+        );
+    }
+    // 32 tokens a step, the last token with the request's start.
+    assert_eq!(steps_before_first_token, (long_prompt.len() - 1) / 32);
+    while !scheduler.is_idle() {
+        scheduler.step().unwrap();
+    }
+    let finished = scheduler.take_finished();
+    let chunked = &finished.iter().find(|(id, _)| *id == long_id).unwrap().1;
+    assert_same_completion(chunked, &whole, 1e-4);
+    assert_eq!(chunked.cached_prompt_tokens, 0);
+}
+
 /// A cache budget that holds a few sequences: requests start as memory allows, the newest
 /// sequences are preempted when the others' caches grow, and resume later with their caches
 /// rebuilt; every completion is what an unbounded budget gives (greedy and seeded sampling),

@@ -70,6 +70,11 @@ struct ServeArgs {
     /// rebuilt). Default: half the GPU's free memory, a quarter of available memory on the CPU.
     #[arg(long)]
     kv_cache_mib: Option<usize>,
+    /// Prompt tokens prefilled in one step (default 4,096). A longer prompt that arrives while
+    /// other sequences decode is prefilled in chunks of this size, one per step, so that their
+    /// tokens keep coming; a smaller value trades the long prompt's wait for steadier decoding.
+    #[arg(long)]
+    max_prefill_tokens: Option<usize>,
     /// Where trained models, their history and checkpoints are kept.
     #[arg(long, default_value = ".art", env = "ART_DIR")]
     art_dir: PathBuf,
@@ -162,6 +167,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 quantized: args.quantized,
                 prefix_cache_mib: args.prefix_cache_mib,
                 kv_cache_mib: args.kv_cache_mib,
+                max_prefill_tokens: args.max_prefill_tokens,
                 load,
             })
             .await

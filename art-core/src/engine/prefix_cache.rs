@@ -79,6 +79,11 @@ impl PrefixCache {
         self.budget_bytes > 0
     }
 
+    /// The most its entries may take together.
+    pub fn budget_bytes(&self) -> usize {
+        self.budget_bytes
+    }
+
     pub fn used_bytes(&self) -> usize {
         self.used_bytes
     }

@@ -26,7 +26,7 @@ use super::cuda_sample;
 use super::error::{EngineError, Result};
 use super::lora::LoraAdapter;
 use super::model::{grown_capacity, DecodeGraphs, Forward, KvCache};
-use super::prefix_cache::{PrefixCache, Reuse, MIN_SHARED_PREFIX};
+use super::prefix_cache::{PrefixCache, Reuse, MIN_SHARED_PREFIX, SHARED_PREFIX_BLOCK};
 use super::sampler::{DeviceDraw, SampledToken, Sampler, SamplingParams};
 use super::text::TextStream;
 use super::Engine;
@@ -185,6 +185,9 @@ enum Start {
 struct Pending {
     prompt_tokens: usize,
     cached_prompt_tokens: usize,
+    /// Prompt tokens this request prefilled in chunks ahead of its start (they come back from
+    /// the prefix cache, but are not cached tokens to the client).
+    prefilled_in_chunks: usize,
     completions: Vec<Option<Completion>>,
     /// The compiled constraint, until the request starts.
     constraint: Option<CompiledConstraint>,
@@ -242,10 +245,12 @@ struct DecodeProfile {
     prefill: f64,
     retire: f64,
     /// Of the prefill: its forwards (one per adapter and prompt length to compute) and their
-    /// rows, their time to the logits on the host, and sampling the new sequences' first tokens.
+    /// rows, their time to the logits on the host, copying caches (from and to the prefix cache,
+    /// and for each of a prompt's sequences), and sampling the new sequences' first tokens.
     prefill_forwards: usize,
     prefill_rows: usize,
     prefill_forward: f64,
+    cache_copies: f64,
     first_tokens: f64,
     /// Sequences preempted for memory, and resumed.
     preempted: usize,
@@ -276,6 +281,7 @@ impl DecodeProfile {
             prefill_forwards: 0,
             prefill_rows: 0,
             prefill_forward: 0.0,
+            cache_copies: 0.0,
             first_tokens: 0.0,
             preempted: 0,
             resumed: 0,
@@ -302,8 +308,9 @@ impl DecodeProfile {
         eprintln!(
             "PROFILE scheduler: {} requests in {:.3} s, {} steps; {} decode forwards of {:.1} rows, \
              ms each: forward {:.2}, device sampling + copy to host {:.2}, host sampling {:.2}, \
-             bookkeeping {:.2}; prefill {:.3} s ({} forwards of {:.1} rows {:.3} s, first tokens \
-             {:.3} s), retire {:.3} s, outside the phases {:.3} s; preempted {}, resumed {}",
+             bookkeeping {:.2}; prefill {:.3} s ({} forwards of {:.1} rows {:.3} s, cache copies \
+             {:.3} s, first tokens {:.3} s), retire {:.3} s, outside the phases {:.3} s; \
+             preempted {}, resumed {}",
             self.requests,
             wall,
             self.steps,
@@ -317,6 +324,7 @@ impl DecodeProfile {
             self.prefill_forwards,
             self.prefill_rows as f64 / self.prefill_forwards.max(1) as f64,
             self.prefill_forward,
+            self.cache_copies,
             self.first_tokens,
             self.retire,
             (wall - phases).max(0.0),
@@ -465,6 +473,7 @@ impl<'e> Scheduler<'e> {
             Pending {
                 prompt_tokens: request.prompt.len(),
                 cached_prompt_tokens: 0,
+                prefilled_in_chunks: 0,
                 completions: vec![None; request.params.n],
                 constraint,
             },
@@ -596,6 +605,16 @@ impl<'e> Scheduler<'e> {
             if !admitted.is_empty() && new_tokens > budget {
                 break;
             }
+            // A prompt longer than the step's budget while others decode: a chunk of it now,
+            // the rest in later steps, so that the running sequences are not stalled for it.
+            if admitted.is_empty()
+                && new_tokens > budget
+                && !self.running.is_empty()
+                && self.prefill_chunk(budget)?
+            {
+                return Ok(());
+            }
+            let (_, request, _) = self.waiting.front().expect("checked above");
             let prompt = request.prompt.len();
             let caches = request.params.n * self.kv_bytes_for(prompt, prompt + 1);
             let idle = admitted.is_empty() && self.running.is_empty();
@@ -613,11 +632,60 @@ impl<'e> Scheduler<'e> {
         self.start(admitted, events)
     }
 
+    /// Chunked prefill: computes the next `budget` tokens (in whole blocks) of the first waiting
+    /// request's prompt and keeps them in the prefix cache, where the request, still first in
+    /// line, finds them at the next step. False (nothing done) when there is no whole block to
+    /// compute before the prompt's last token, or the prefix cache could not keep the chunk: the
+    /// prompt is then prefilled whole.
+    fn prefill_chunk(&mut self, budget: usize) -> Result<bool> {
+        let (id, request, adapter) = self.waiting.front().expect("called with a waiting request");
+        let (id, adapter) = (*id, adapter.clone());
+        let prompt = request.prompt.clone();
+        let model = self.engine.model();
+        let start = self.prefix.reusable(adapter.as_ref(), &prompt);
+        // Whole blocks, so that the next step reuses all of it; the last token is left to the
+        // request's start, which needs its logits.
+        let end = (start + budget).min(prompt.len() - 1);
+        let end = end - end % SHARED_PREFIX_BLOCK;
+        // (A chunk shorter than the prefix cache's shortest reuse would never be found again.)
+        let kept_bytes = end * model.kv_bytes_per_position();
+        if end <= start || end < MIN_SHARED_PREFIX || kept_bytes > self.prefix.budget_bytes() {
+            return Ok(false);
+        }
+        let timer = Instant::now();
+        let mut cache = match self.prefix.reuse(adapter.as_ref(), &prompt)? {
+            Some(reuse) => reuse.cache,
+            None => model.new_cache(),
+        };
+        debug_assert_eq!(cache.len(), start);
+        let input = Tensor::new(&prompt[start..end], model.device())?.unsqueeze(0)?;
+        let fwd = self.forward_options(adapter.as_deref());
+        model.forward_cached(&input, &mut [&mut cache], fwd, true)?;
+        let kept = cache.copy_prefix(end, end)?;
+        let engine = self.engine;
+        self.prefix
+            .insert(adapter.as_ref(), prompt[..end].to_vec(), kept, None, |a| {
+                engine.is_loaded(a)
+            });
+        if let Some(pending) = self.pending.get_mut(&id) {
+            pending.prefilled_in_chunks += end - start;
+        }
+        if let Some(p) = &mut self.profile {
+            p.prefill_forwards += 1;
+            p.prefill_rows += 1;
+            p.prefill_forward += timer.elapsed().as_secs_f64();
+        }
+        Ok(true)
+    }
+
     /// Prefills the admitted requests and starts their sequences, each with its first token.
     /// A request finds where to start in the prefix cache, or repeats an earlier request of this
     /// step; the rest run in one batched forward per adapter and number of tokens to prefill.
     fn start(&mut self, admitted: Vec<Waiting>, events: &mut Vec<TokenEvent>) -> Result<()> {
         let model = self.engine.model();
+        // Seconds spent copying caches (for the profile).
+        let mut copies = 0.0;
+        let timer = Instant::now();
         let mut starts: Vec<Start> = Vec::with_capacity(admitted.len());
         let mut first_of: HashMap<(AdapterKey, &[u32]), usize> = HashMap::new();
         for (i, (_, request, adapter)) in admitted.iter().enumerate() {
@@ -643,6 +711,7 @@ impl<'e> Scheduler<'e> {
                 },
             );
         }
+        copies += timer.elapsed().as_secs_f64();
         let cached_tokens: Vec<usize> = starts
             .iter()
             .zip(&admitted)
@@ -704,6 +773,7 @@ impl<'e> Scheduler<'e> {
                 p.prefill_rows += members.len();
                 p.prefill_forward += timer.elapsed().as_secs_f64();
             }
+            let timer = Instant::now();
             for ((&i, cache), row) in members.iter().zip(caches).zip(rows) {
                 let prompt = &admitted[i].1.prompt;
                 let kept = cache.copy_prefix(prompt.len(), prompt.len())?;
@@ -713,6 +783,7 @@ impl<'e> Scheduler<'e> {
                     });
                 starts[i] = Start::Ready(cache, row);
             }
+            copies += timer.elapsed().as_secs_f64();
         }
 
         // Every request's `n` sequences, each with its own copy of the prompt's cache (the last
@@ -722,6 +793,7 @@ impl<'e> Scheduler<'e> {
         // bytes the batch's caches take with theirs.
         let mut new: Vec<(Sequence, Vec<f32>, bool)> = Vec::new();
         let mut in_use = self.kv_bytes_in_use();
+        let timer = Instant::now();
         for (i, start) in starts.iter().enumerate() {
             let source = match start {
                 Start::Repeat(first) => *first,
@@ -737,7 +809,7 @@ impl<'e> Scheduler<'e> {
                 _ => i,
             };
             let constraint = self.pending.get_mut(&id).and_then(|pending| {
-                pending.cached_prompt_tokens = cached;
+                pending.cached_prompt_tokens = cached.saturating_sub(pending.prefilled_in_chunks);
                 pending.constraint.take()
             });
             let prompt: Arc<[u32]> = request.prompt.into();
@@ -774,6 +846,7 @@ impl<'e> Scheduler<'e> {
                 new.push((seq, row, preempted));
             }
         }
+        copies += timer.elapsed().as_secs_f64();
         let timer = Instant::now();
         // The unconstrained first tokens together; constrained ones are masked first, below.
         let mut first: Vec<Option<SampledToken>> = vec![None; new.len()];
@@ -798,6 +871,7 @@ impl<'e> Scheduler<'e> {
         }
         if let Some(p) = &mut self.profile {
             p.first_tokens += timer.elapsed().as_secs_f64();
+            p.cache_copies += copies;
         }
         Ok(())
     }

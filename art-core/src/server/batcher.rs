@@ -32,13 +32,16 @@ struct Submission {
     events: mpsc::UnboundedSender<BatchEvent>,
 }
 
-/// How much memory the scheduler's caches may take (`None`: its default for the device).
+/// The scheduler's limits (`None`: its default, for the device where it depends on it).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct CacheBudgets {
-    /// Keys and values kept for prompts seen before.
+pub struct SchedulerLimits {
+    /// Bytes of keys and values kept for prompts seen before.
     pub prefix_cache_bytes: Option<usize>,
-    /// The running sequences' keys and values.
+    /// Bytes of the running sequences' keys and values.
     pub kv_cache_bytes: Option<usize>,
+    /// Prompt tokens prefilled in one step (a longer prompt is prefilled in chunks while
+    /// others decode).
+    pub max_prefill_tokens: Option<usize>,
 }
 
 /// What the batching thread reports after each step (for `/health`).
@@ -93,14 +96,14 @@ impl Batcher {
         engine: Arc<Engine>,
         max_batch: usize,
         max_queue: usize,
-        budgets: CacheBudgets,
+        limits: SchedulerLimits,
     ) -> Self {
         let (queue, receiver) = mpsc::channel(max_queue.max(1));
         let stats = Arc::new(BatcherStats::default());
         let shared = stats.clone();
         std::thread::Builder::new()
             .name("art-batcher".into())
-            .spawn(move || run(&engine, receiver, max_batch.max(1), budgets, &shared))
+            .spawn(move || run(&engine, receiver, max_batch.max(1), limits, &shared))
             .expect("the batching thread starts");
         Batcher {
             queue,
@@ -137,16 +140,19 @@ fn run(
     engine: &Engine,
     mut queue: mpsc::Receiver<Submission>,
     max_batch: usize,
-    budgets: CacheBudgets,
+    limits: SchedulerLimits,
     stats: &BatcherStats,
 ) {
     let new_scheduler = || {
         let mut scheduler = engine.scheduler();
-        if let Some(bytes) = budgets.prefix_cache_bytes {
+        if let Some(bytes) = limits.prefix_cache_bytes {
             scheduler.set_prefix_cache_budget(bytes);
         }
-        if let Some(bytes) = budgets.kv_cache_bytes {
+        if let Some(bytes) = limits.kv_cache_bytes {
             scheduler.set_kv_budget(bytes);
+        }
+        if let Some(tokens) = limits.max_prefill_tokens {
+            scheduler.max_prefill_tokens_per_step = tokens.max(1);
         }
         scheduler
     };

@@ -31,7 +31,7 @@ use tracing::Instrument as _;
 use crate::engine::{Engine, LoadOptions, ModelSource};
 
 pub use crate::types::{ModelInfo, RegisterRequest};
-pub use batcher::{BatchEvent, Batcher, CacheBudgets};
+pub use batcher::{BatchEvent, Batcher, SchedulerLimits};
 pub use error::ApiError;
 pub use state::{AppState, Shared};
 
@@ -69,6 +69,9 @@ pub struct ServeOptions {
     /// preempted and resumed later. `None`: the scheduler's default (half the GPU's free memory,
     /// a quarter of the machine's available memory on the CPU).
     pub kv_cache_mib: Option<usize>,
+    /// Prompt tokens prefilled in one step; a longer prompt arriving while others decode is
+    /// prefilled in chunks of it. `None`: the scheduler's default (4,096).
+    pub max_prefill_tokens: Option<usize>,
     pub load: LoadOptions,
 }
 
@@ -88,6 +91,7 @@ impl Default for ServeOptions {
             quantized: false,
             prefix_cache_mib: None,
             kv_cache_mib: None,
+            max_prefill_tokens: None,
             load: LoadOptions::default(),
         }
     }
@@ -133,9 +137,10 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
             engine.clone(),
             options.max_batch,
             options.max_queue,
-            CacheBudgets {
+            SchedulerLimits {
                 prefix_cache_bytes: options.prefix_cache_mib.map(|mib| mib << 20),
                 kv_cache_bytes: options.kv_cache_mib.map(|mib| mib << 20),
+                max_prefill_tokens: options.max_prefill_tokens,
             },
         ),
         engine,
