@@ -7,6 +7,11 @@
 //! come in, `step` in a loop, and `take_finished` to answer them; [`Engine::generate`] is that
 //! loop for a fixed set of requests.
 //!
+//! A step prefills at most `max_prefill_tokens_per_step` new prompt tokens (at least one request
+//! always starts). A longer prompt that arrives while others decode is prefilled in chunks, one
+//! per step, kept in the prefix cache between steps, so the running sequences are not stalled
+//! for it.
+//!
 //! The sequences' caches share a memory budget ([`Scheduler::set_kv_budget`]). A request starts
 //! only when its prompt's caches fit beside the running ones; when the running sequences' next
 //! tokens would not fit, the newest are preempted: their caches are dropped, and they resume, before
