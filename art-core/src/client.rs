@@ -117,9 +117,10 @@ pub(crate) fn backoff(retries: usize) -> ExponentialBuilder {
 
 /// The HTTP client for requests to `base_url` from the running tokio runtime: one per runtime,
 /// base URL and timeout, kept and shared, so that a GRPO step's 128 rollouts reuse one client and
-/// its pooled connections (building a client took ~4 ms on a 2-core machine, and the rollouts of
-/// a step build theirs one after another as they are first polled: ~0.5 s of each CPU main-job
-/// step, ~0.4 s of each GPU one, before the last request reached the server). Keyed by runtime
+/// its pooled connections. Built per request, the rollouts of a step built theirs one after
+/// another as they were first polled: with the one async-openai made beside it (see
+/// `ChatEndpoint::client`), ~4 ms a request on a 2-core machine, and the last of the CPU main
+/// job's 128 requests reached the server ~0.45 s after the first rollout started. Keyed by runtime
 /// because a pooled connection is driven by a task of the runtime that opened it: in the kernel
 /// each cell may run its own runtime, and a connection of a finished cell's runtime is dead.
 /// Outside a runtime a fresh client is built (and not kept).

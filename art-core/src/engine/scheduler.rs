@@ -612,10 +612,11 @@ impl<'e> Scheduler<'e> {
             }
             // A prompt longer than the step's budget while others decode: a chunk of it now,
             // the rest in later steps, so that the running sequences are not stalled for it.
+            let reused = request.prompt.len() - new_tokens;
             if admitted.is_empty()
                 && new_tokens > budget
                 && !self.running.is_empty()
-                && self.prefill_chunk(budget)?
+                && self.prefill_chunk(reused, budget)?
             {
                 return Ok(());
             }
@@ -637,17 +638,17 @@ impl<'e> Scheduler<'e> {
         self.start(admitted, events)
     }
 
-    /// Chunked prefill: computes the next `budget` tokens (in whole blocks) of the first waiting
-    /// request's prompt and keeps them in the prefix cache, where the request, still first in
-    /// line, finds them at the next step. False (nothing done) when there is no whole block to
+    /// Chunked prefill: computes the `budget` tokens (in whole blocks) after the first `start`
+    /// of the first waiting request's prompt (`start`: what the prefix cache holds of it, its
+    /// [`PrefixCache::reusable`] length) and keeps them there too, where the request, still
+    /// first in line, finds them at the next step. False (nothing done) when there is no whole block to
     /// compute before the prompt's last token, or the prefix cache could not keep the chunk: the
     /// prompt is then prefilled whole.
-    fn prefill_chunk(&mut self, budget: usize) -> Result<bool> {
+    fn prefill_chunk(&mut self, start: usize, budget: usize) -> Result<bool> {
         let (id, request, adapter) = self.waiting.front().expect("called with a waiting request");
         let (id, adapter) = (*id, adapter.clone());
         let prompt = request.prompt.clone();
         let model = self.engine.model();
-        let start = self.prefix.reusable(adapter.as_ref(), &prompt);
         // Whole blocks, so that the next step reuses all of it; the last token is left to the
         // request's start, which needs its logits.
         let end = (start + budget).min(prompt.len() - 1);
