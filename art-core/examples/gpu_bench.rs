@@ -64,7 +64,8 @@ struct Args {
     train_batch: usize,
     seq: usize,
     iters: usize,
-    /// `--checkpointing on|off` (default: the trainer's own choice, on for GPUs).
+    /// `--checkpointing on|off|auto`: every layer recomputed, candle's whole graph, or the
+    /// trainer's own choice (the default: as many layers' activations kept as memory allows).
     checkpointing: Option<bool>,
     /// `--compare-hf [SCRIPT]`: after each shape, run the compiled-HF reference (default
     /// `scripts/hf_decode_reference.py`) with `--python` (default `python3`) and print ratios.
@@ -152,7 +153,8 @@ fn parse_args() -> Args {
                 args.checkpointing = match value().as_str() {
                     "on" => Some(true),
                     "off" => Some(false),
-                    other => panic!("--checkpointing on|off, not {other}"),
+                    "auto" => None,
+                    other => panic!("--checkpointing on|off|auto, not {other}"),
                 }
             }
             other => panic!("unknown flag {other}; see the example's docs"),

@@ -11,9 +11,10 @@
 //!
 //! `--compare` alternates iterations with candle's composite ops (the reference) and with the
 //! engine's fused kernels, and prints the speed-up measured under the same load;
-//! `--compare-checkpointing` alternates the whole graph kept (the reference) with gradient
-//! checkpointing and the hand-written layer backward. `--checkpointing on|off` picks one
-//! (default: the trainer's choice, off on the CPU, on on GPUs).
+//! `--checkpointing on|off|auto` picks how the backward gets the layers' activations: every
+//! layer recomputed (on), candle's whole graph kept (off), or the trainer's default (auto: the
+//! hand-written layer backward, keeping as many layers' activations as memory allows).
+//! `--compare-checkpointing` alternates the whole graph (the reference) with that choice.
 //!
 //! Prints tokens/s and the ratio to a reference (`--reference`, default: PyTorch with transformers
 //! and peft measured on the same CPU for SmolLM2, 262 tok/s; for `--random`, the HF+peft figure for
@@ -77,7 +78,8 @@ fn parse_args() -> Args {
                 args.checkpointing = match value().as_str() {
                     "on" => Some(true),
                     "off" => Some(false),
-                    other => panic!("--checkpointing on|off, not {other}"),
+                    "auto" => None,
+                    other => panic!("--checkpointing on|off|auto, not {other}"),
                 }
             }
             "--reference" => args.reference = Some(value().parse().expect("--reference TOK/S")),
@@ -216,7 +218,10 @@ fn main() {
         let composite = comparing && iter % 2 == 1;
         art_core::engine::set_fused_ops(!(composite && args.compare));
         if args.compare_checkpointing {
-            train_config.gradient_checkpointing = Some(!composite);
+            train_config.gradient_checkpointing = match composite {
+                true => Some(false),
+                false => args.checkpointing,
+            };
         }
         let t0 = Instant::now();
         let mut grads: Vec<Option<art_core::engine::Tensor>> = vec![None; named.len()];
@@ -269,7 +274,7 @@ fn main() {
         let (new, old) = if args.compare {
             ("fused kernels", "candle's composite ops")
         } else {
-            ("checkpointing + layer backward", "the whole graph")
+            ("the layer-by-layer backward", "the whole graph")
         };
         println!(
             "{new} {fused:.1} tok/s vs {old} {composite:.1} tok/s: speed-up {:.2}x",

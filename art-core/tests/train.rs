@@ -645,12 +645,14 @@ fn lora_gradients_match_finite_differences() {
             ..Default::default()
         },
     ];
-    // Each configuration with the whole graph kept and with gradient checkpointing (the layers'
-    // backward rebuilt one at a time): both must match finite differences, and each other.
-    let mut kept_grads = Vec::new();
+    // Each configuration with candle's whole graph, with gradient checkpointing (the layers'
+    // backward, each layer recomputed) and with the default (the layers' backward, their
+    // activations kept from the forward): the first two must match finite differences, and
+    // the other two the whole graph.
+    let mut whole_graph_grads = Vec::new();
     let runs = configs.iter().flat_map(|c| {
-        [false, true].map(|checkpointing| TrainConfig {
-            gradient_checkpointing: Some(checkpointing),
+        [Some(false), Some(true), None].map(|checkpointing| TrainConfig {
+            gradient_checkpointing: checkpointing,
             ..c.clone()
         })
     });
@@ -681,16 +683,28 @@ fn lora_gradients_match_finite_differences() {
                 g.flatten_all().unwrap().to_vec1().unwrap()
             })
             .collect();
-        if config.gradient_checkpointing == Some(true) {
-            let kept: Vec<Vec<f32>> = kept_grads.pop().expect("the kept-graph run came first");
-            for (a, b) in all.iter().flatten().zip(kept.iter().flatten()) {
+        if config.gradient_checkpointing == Some(false) {
+            assert_eq!(out.kept_layers, None);
+            whole_graph_grads.push(all);
+        } else {
+            let whole: &Vec<Vec<f32>> = whole_graph_grads
+                .last()
+                .expect("the whole-graph run came first");
+            for (a, b) in all.iter().flatten().zip(whole.iter().flatten()) {
                 assert!(
                     (a - b).abs() <= 1e-6 * a.abs().max(b.abs()) + 1e-12,
-                    "checkpointed gradient {a:e} vs {b:e}"
+                    "{:?}: layer-by-layer gradient {a:e} vs {b:e}",
+                    config.gradient_checkpointing
                 );
             }
-        } else {
-            kept_grads.push(all);
+            let kept = out.kept_layers.expect("the layers ran one by one").kept;
+            if config.gradient_checkpointing.is_none() {
+                // Two layers of a few tokens fit any budget: nothing was recomputed.
+                assert_eq!(kept, 2);
+                whole_graph_grads.pop();
+                continue;
+            }
+            assert_eq!(kept, 0);
         }
         let loss_at = || -> f64 {
             micro_batch_loss(
@@ -752,7 +766,64 @@ fn lora_gradients_match_finite_differences() {
         }
         assert_eq!(checked, 3 * 2 * 3);
     }
-    assert!(kept_grads.is_empty());
+    assert!(whole_graph_grads.is_empty());
+}
+
+#[test]
+fn kept_layer_activations_give_the_gradients_of_recomputed_ones() {
+    // The layers' backward with every layer recomputed, with only the last layer's activations
+    // kept from the forward, and with all kept: the same operations on the same values, so the
+    // same gradients to the bit. (Tiny model, two layers: milliseconds.)
+    let (_dir, engine) = tiny_engine(Architecture::Qwen2, Some(DType::F32));
+    let adapter = LoraAdapter::new(engine.config(), &lora(4), engine.device(), 3).unwrap();
+    randomize_b(&adapter, 5);
+    let model = engine.model();
+    let ids = Tensor::new(
+        &[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]],
+        engine.device(),
+    )
+    .unwrap();
+    let run = |keep_bytes: usize| -> ((usize, usize), usize, Vec<Vec<f32>>) {
+        let (top, inputs) = model
+            .forward_layers_checkpointed(&ids, None, Some(&adapter), keep_bytes)
+            .unwrap();
+        let (kept, layer_bytes) = (inputs.kept_layers(), inputs.layer_bytes());
+        // A loss whose gradient with respect to the last layer's output is a fixed pattern.
+        let n = top.elem_count();
+        let pattern: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+            .collect();
+        let pattern = Tensor::from_vec(pattern, top.shape(), engine.device()).unwrap();
+        let mut grads = (top.as_tensor() * &pattern)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let top_grad = grads.remove(top.as_tensor()).unwrap();
+        model
+            .backward_layers(inputs, top_grad, &adapter, &mut grads)
+            .unwrap();
+        let all = adapter
+            .named_vars()
+            .iter()
+            .map(|(name, var)| {
+                let g = grads.get(var.as_tensor());
+                let g = g.unwrap_or_else(|| panic!("no gradient for {name}"));
+                g.flatten_all().unwrap().to_vec1().unwrap()
+            })
+            .collect();
+        (kept, layer_bytes, all)
+    };
+    let (kept, layer_bytes, all_kept) = run(usize::MAX);
+    assert_eq!(kept, (2, 2));
+    assert!(layer_bytes > 0);
+    let (kept, _, none_kept) = run(0);
+    assert_eq!(kept, (0, 2));
+    let (kept, _, last_kept) = run(layer_bytes + layer_bytes / 2);
+    assert_eq!(kept, (1, 2));
+    assert_eq!(all_kept, none_kept);
+    assert_eq!(last_kept, none_kept);
 }
 
 /// The adapter's gradients of one micro-batch loss over `sequences`, flattened.

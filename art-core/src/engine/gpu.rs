@@ -39,18 +39,16 @@ pub fn cuda_device(ordinal: usize) -> Result<Device> {
 #[cfg(feature = "cuda")]
 fn keep_freed_memory(device: &Device) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys;
-    let stream = device.as_cuda_device()?.cuda_stream();
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     let mut threshold = u64::MAX;
-    // SAFETY: plain driver calls on the context's own device, with valid out-pointers.
+    // SAFETY: a plain driver call on the device's own pool, with a valid pointer to the value.
     let status = unsafe {
-        match sys::cuDeviceGetDefaultMemPool(&mut pool, stream.context().cu_device()) {
-            sys::CUresult::CUDA_SUCCESS => sys::cuMemPoolSetAttribute(
+        match default_pool(device)? {
+            Ok(pool) => sys::cuMemPoolSetAttribute(
                 pool,
                 sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                 (&mut threshold as *mut u64).cast(),
             ),
-            failed => failed,
+            Err(failed) => failed,
         }
     };
     if status != sys::CUresult::CUDA_SUCCESS {
@@ -60,6 +58,66 @@ fn keep_freed_memory(device: &Device) -> Result<()> {
         .into());
     }
     Ok(())
+}
+
+/// The device's default memory pool (the one candle's stream-ordered allocations come from).
+#[cfg(feature = "cuda")]
+fn default_pool(
+    device: &Device,
+) -> Result<
+    std::result::Result<
+        candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool,
+        candle_core::cuda_backend::cudarc::driver::sys::CUresult,
+    >,
+> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let stream = device.as_cuda_device()?.cuda_stream();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: a plain driver call on the context's own device, with a valid out-pointer.
+    let status = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, stream.context().cu_device()) };
+    Ok(match status {
+        sys::CUresult::CUDA_SUCCESS => Ok(pool),
+        failed => Err(failed),
+    })
+}
+
+/// Bytes the device's memory pool holds without using them (freed memory it keeps, see
+/// [`keep_freed_memory`]): free for this process's next allocations, though the driver counts
+/// them as used.
+#[cfg(feature = "cuda")]
+fn pool_spare_bytes(device: &Device) -> Option<usize> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(device).ok()?.ok()?;
+    let read = |attribute| {
+        let mut value = 0u64;
+        // SAFETY: a plain driver call on a valid pool, with a valid pointer to a u64, the
+        // type of the reserved and used attributes.
+        let status =
+            unsafe { sys::cuMemPoolGetAttribute(pool, attribute, (&mut value as *mut u64).cast()) };
+        (status == sys::CUresult::CUDA_SUCCESS).then_some(value as usize)
+    };
+    let reserved = read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
+    let used = read(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+    Some(reserved.saturating_sub(used))
+}
+
+/// The memory a training step may spend keeping layers' activations instead of recomputing
+/// them: a quarter of what the device has available now (on a GPU, the driver's free memory
+/// and what the allocator's pool holds unused, and at most a quarter of the card, so that the
+/// choice does not swing with what earlier steps left in the pool; on the CPU, of the host's
+/// available memory). The serving side's caches have their own budget, taken at start-up.
+pub fn activation_budget(device: &Device) -> usize {
+    const GIB: usize = 1 << 30;
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        let Some((free, total)) = gpu_memory(device) else {
+            return 0;
+        };
+        let available = free + pool_spare_bytes(device).unwrap_or(0);
+        return (available / 4).min(total / 4);
+    }
+    let _ = device;
+    available_host_memory().map_or(GIB, |bytes| bytes / 4)
 }
 
 /// `(free, total)` bytes of the GPU's memory, or `None` for a CPU device.

@@ -448,14 +448,33 @@ pub trait WeightSource {
     fn linear(&mut self, prefix: &str, bias: bool) -> Result<Linear>;
 }
 
-/// Every decoder layer's input from [`Model::forward_layers_checkpointed`].
+/// Every decoder layer's input from [`Model::forward_layers_checkpointed`], and the activations
+/// it kept.
 pub struct LayerInputs {
     inputs: Vec<Tensor>,
+    /// By layer (where the hand-written backward runs): the activations kept from the forward,
+    /// `None` for a layer the backward recomputes.
+    kept: Vec<Option<backward::Activations>>,
+    /// The memory one layer's activations take (0 when none was measured).
+    layer_bytes: usize,
     /// The forward's rotary tables (computed on the host: not twice).
     rope: RopeTables,
     /// Each layer's adapter pairs cast for [`backward::layer_forward`] (empty where the layers
     /// ran the general forward instead).
     casts: Vec<backward::LayerCasts>,
+}
+
+impl LayerInputs {
+    /// How many layers' activations were kept (not to be recomputed), and of how many layers.
+    pub fn kept_layers(&self) -> (usize, usize) {
+        let kept = self.kept.iter().filter(|a| a.is_some()).count();
+        (kept, self.inputs.len())
+    }
+
+    /// The memory one layer's kept activations take (0 when none was measured).
+    pub fn layer_bytes(&self) -> usize {
+        self.layer_bytes
+    }
 }
 
 /// A whole decoder with its embedding and language-model head.

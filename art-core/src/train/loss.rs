@@ -71,9 +71,21 @@ pub struct MicroBatchLoss {
     pub sampler_logprobs: Vec<f32>,
     /// The language-model head, when its backward is ours rather than candle's.
     head: Option<Head>,
-    /// With gradient checkpointing: where the layers' graph ends (the last layer's output)
+    /// With the layers run one by one: where the layers' graph ends (the last layer's output)
     /// and what the layers' backward needs.
     recompute: Option<(Var, LayerInputs)>,
+    /// With the layers run one by one: how many kept their activations for the backward.
+    pub kept_layers: Option<KeptLayers>,
+}
+
+/// How many layers of a micro-batch's forward kept their activations for the backward (the
+/// others are recomputed in it), and what one layer's take.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KeptLayers {
+    pub kept: usize,
+    pub layers: usize,
+    /// Bytes of one layer's activations (0 when none was kept).
+    pub layer_bytes: usize,
 }
 
 impl MicroBatchLoss {
@@ -141,14 +153,37 @@ fn balanced(advantage: f64, balance: f64) -> f64 {
     }
 }
 
-/// Whether a training forward on `model` recomputes activations in its backward.
-fn checkpointing(model: &Model, adapter: Option<&LoraAdapter>, config: &TrainConfig) -> bool {
+/// How a training forward keeps what its backward reads.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum LayerMemory {
+    /// candle's graph over the whole forward, every activation kept.
+    WholeGraph,
+    /// The layers run without a graph, each one's input kept, and the activations of as many
+    /// of the last layers as `keep_bytes` holds; the backward recomputes the others.
+    Layered { keep_bytes: usize },
+}
+
+/// [`TrainConfig::gradient_checkpointing`] for a training forward on `model`: `Some(true)`
+/// recomputes every layer, `Some(false)` keeps candle's whole graph, `None` keeps the
+/// activations of as many layers as [`activation_budget`](crate::engine::activation_budget)
+/// allows and recomputes the rest, where the hand-written layer backward runs (elsewhere it
+/// recomputes every layer on a GPU, where memory runs out first, and keeps the whole graph on
+/// the CPU).
+fn layer_memory(model: &Model, adapter: Option<&LoraAdapter>, config: &TrainConfig) -> LayerMemory {
     let dropout = adapter.map_or(0.0, |a| a.config().dropout);
-    adapter.is_some()
-        && dropout == 0.0
-        && config
-            .gradient_checkpointing
-            .unwrap_or(!model.device().is_cpu())
+    // LoRA dropout would draw other masks in a recomputed pass: the whole graph, always.
+    if adapter.is_none() || dropout != 0.0 {
+        return LayerMemory::WholeGraph;
+    }
+    match config.gradient_checkpointing {
+        Some(true) => LayerMemory::Layered { keep_bytes: 0 },
+        Some(false) => LayerMemory::WholeGraph,
+        None if model.has_layer_backward() => LayerMemory::Layered {
+            keep_bytes: crate::engine::activation_budget(model.device()),
+        },
+        None if model.device().is_cpu() => LayerMemory::WholeGraph,
+        None => LayerMemory::Layered { keep_bytes: 0 },
+    }
 }
 
 /// The language-model head's backward, run by [`MicroBatchLoss::backward`] rather than by
@@ -310,13 +345,24 @@ pub fn micro_batch_loss(
             .reshape((rows.len() * width, h))?
             .index_select(&positions, 0)?)
     };
-    let (hidden, recompute) = if train && checkpointing(model, adapter, config) {
-        let (top, inputs) = model.forward_layers_checkpointed(&input, packing, adapter)?;
-        let hidden = model.final_norm(top.as_tensor())?;
-        (hidden, Some((top, inputs)))
-    } else {
-        (model.forward_hidden(&input, packing, fwd)?, None)
+    let memory = match train {
+        true => layer_memory(model, adapter, config),
+        false => LayerMemory::WholeGraph,
     };
+    let (hidden, recompute) = match memory {
+        LayerMemory::Layered { keep_bytes } => {
+            let (top, inputs) =
+                model.forward_layers_checkpointed(&input, packing, adapter, keep_bytes)?;
+            let hidden = model.final_norm(top.as_tensor())?;
+            (hidden, Some((top, inputs)))
+        }
+        LayerMemory::WholeGraph => (model.forward_hidden(&input, packing, fwd)?, None),
+    };
+    let kept_layers = recompute.as_ref().map(|(_, inputs)| KeptLayers {
+        kept: inputs.kept_layers().0,
+        layers: inputs.kept_layers().1,
+        layer_bytes: inputs.layer_bytes(),
+    });
     let hidden = select(hidden)?;
     let (new_lp, entropy, head) = target_logprobs(model, &hidden, fwd, &targets, &target_ids)?;
     let dtype = new_lp.dtype();
@@ -485,5 +531,6 @@ pub fn micro_batch_loss(
         sampler_logprobs: sampler,
         head,
         recompute,
+        kept_layers,
     })
 }

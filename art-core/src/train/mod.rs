@@ -39,7 +39,7 @@ pub use batch::{
     Tokenization, TrainSequence,
 };
 pub use error::{Result, SequenceSource, TrainError};
-pub use loss::{micro_batch_loss, MicroBatchLoss, Normalization};
+pub use loss::{micro_batch_loss, KeptLayers, MicroBatchLoss, Normalization};
 pub use optim::{AdamW, AdamWParams};
 pub use trainer::{
     checkpoint_dir, checkpoint_metrics, list_checkpoints, StepMetrics, StepResult, TrainProgress,

@@ -381,12 +381,13 @@ impl Trainer {
         self.register()?;
         if crate::engine::switches::PROFILE_TRAIN.on() {
             eprintln!(
-                "PROFILE train step {}: batch {:.3} s, update {:.3} s (compute {:.3} s), \
+                "PROFILE train step {}: batch {:.3} s, update {:.3} s (compute {:.3} s; {}), \
                  checkpoint {:.3} s (syncing it to disk {:.3} s), serving {:.3} s",
                 self.step,
                 prepared_s,
                 metrics.duration_s - prepared_s,
                 update.compute_s,
+                update.layer_memory(),
                 (serving - saving).as_secs_f64(),
                 synced_s,
                 serving.elapsed().as_secs_f64(),
@@ -633,6 +634,11 @@ impl Trainer {
             }
             u.entropy_sum += out.entropy_sum;
             u.clipped += out.clipped_tokens;
+            if let Some(k) = out.kept_layers {
+                u.layers_kept += k.kept;
+                u.layers_run += k.layers;
+                u.kept_bytes = u.kept_bytes.max(k.kept * k.layer_bytes);
+            }
             u.tokens += out.num_tokens();
             for (s, t) in out.sampler_logprobs.iter().zip(&out.trainer_logprobs) {
                 if s.is_finite() {
@@ -698,9 +704,27 @@ struct Update {
     grad_norm: f64,
     micro_batches: usize,
     compute_s: f64,
+    /// Over the micro-batches run layer by layer: layers that kept their activations for the
+    /// backward, layers run, and the most memory one micro-batch kept.
+    layers_kept: usize,
+    layers_run: usize,
+    kept_bytes: usize,
 }
 
 impl Update {
+    /// How the backward got the layers' activations, for the step's profile.
+    fn layer_memory(&self) -> String {
+        if self.layers_run == 0 {
+            return "candle's whole graph".into();
+        }
+        format!(
+            "layer runs: {} with activations kept ({:.1} MiB at most), {} recomputed",
+            self.layers_kept,
+            self.kept_bytes as f64 / (1u64 << 20) as f64,
+            self.layers_run - self.layers_kept,
+        )
+    }
+
     fn mean_entropy(&self) -> f64 {
         if self.tokens > 0 {
             self.entropy_sum / self.tokens as f64

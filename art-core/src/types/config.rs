@@ -146,10 +146,13 @@ pub struct TrainConfig {
     pub lora: LoraConfig,
     /// Train on choices that came without logprobs (the ratio is then taken as 1).
     pub allow_training_without_logprobs: bool,
-    /// Recompute each layer's activations during the backward pass instead of keeping them all
-    /// (a micro-batch then holds one layer's activations at a time, for a second forward pass).
-    /// `None`: on for GPUs, where memory is what runs out, off on the CPU, where compute is.
-    /// Not with LoRA dropout (the recomputed pass would draw other masks).
+    /// `Some(true)`: recompute each layer's activations during the backward pass instead of
+    /// keeping them (a micro-batch then holds one layer's activations at a time, for a second
+    /// forward pass of every layer). `Some(false)`: keep every activation (candle's graph of
+    /// the whole forward). `None`: keep the activations of as many layers as a quarter of the
+    /// device's available memory holds and recompute only the others (all kept for small
+    /// models; the step's profile, `ART_PROFILE_TRAIN=1`, says how many). Not with LoRA dropout
+    /// (the recomputed pass would draw other masks): the whole graph then.
     pub gradient_checkpointing: Option<bool>,
 }
 

@@ -131,12 +131,6 @@ fn norm_grad(norm: &RmsNorm, x: &Tensor, grad: &Tensor) -> Result<Tensor> {
     Ok(ops::rms_norm_grad(x, &norm.weight, grad, norm.eps)?)
 }
 
-/// Whether [`layer_forward`] and [`layer_backward`] run for activations like `x` (the fused
-/// kernels they need exist for this device and dtype, and are switched on).
-pub(super) fn available(x: &Tensor) -> bool {
-    ops::supported(x)
-}
-
 /// The seven projections of `layer` with their cast adapter pairs.
 fn projections<'a>(
     layer: &'a DecoderLayer,
@@ -163,8 +157,9 @@ fn projections<'a>(
     })
 }
 
-/// A layer's forward on `[T, hidden]` rows, with what its backward reads.
-struct Activations {
+/// A layer's forward on `[T, hidden]` rows, with what its backward reads: recomputed by
+/// [`layer_backward`] from the layer's input, or kept from the forward ([`layer_forward`]).
+pub(super) struct Activations {
     saved: [Option<Saved>; 7],
     /// Queries and keys before their norms, `[B, L, heads, hd]`.
     q: Tensor,
@@ -181,6 +176,32 @@ struct Activations {
     up: Tensor,
     /// The layer's output, when asked for.
     out: Option<Tensor>,
+}
+
+impl Activations {
+    /// The memory these activations hold, each buffer counted once (the projections that read
+    /// the same input share it).
+    pub(super) fn bytes(&self) -> usize {
+        let mut seen = std::collections::HashSet::new();
+        let saved = self.saved.iter().flatten();
+        let inputs = saved.flat_map(|s| std::iter::once(&s.x).chain(s.xa.as_ref()));
+        let kept = [
+            &self.q,
+            &self.k,
+            &self.q_grouped,
+            &self.k_rot,
+            &self.v,
+            &self.probs,
+            &self.x2,
+            &self.gate,
+            &self.up,
+        ];
+        inputs
+            .chain(kept)
+            .filter(|t| seen.insert(t.id()))
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
 }
 
 fn activations(
@@ -251,17 +272,19 @@ fn activations(
 }
 
 /// `layer` on `x` (`[B, L, hidden]`, sequences from position 0), without a graph: the
-/// checkpointed forward, the same arithmetic as [`layer_backward`]'s recomputation.
+/// checkpointed forward, the same arithmetic as [`layer_backward`]'s recomputation. With `keep`,
+/// also what the backward reads, so that it need not recompute the layer.
 pub(super) fn layer_forward(
     layer: &DecoderLayer,
     x: &Tensor,
     rope: &RopeTables,
     adapter: &LoraAdapter,
     casts: &LayerCasts,
-) -> Result<Tensor> {
+    keep: bool,
+) -> Result<(Tensor, Option<Activations>)> {
     let (b, l, hidden) = x.dims3()?;
     let projs = projections(layer, casts, adapter);
-    let act = activations(
+    let mut act = activations(
         layer,
         &x.reshape((b * l, hidden))?,
         (b, l),
@@ -269,16 +292,18 @@ pub(super) fn layer_forward(
         &projs,
         true,
     )?;
-    let out = act.out.expect("asked for the output");
-    Ok(out.reshape((b, l, hidden))?)
+    let out = act.out.take().expect("asked for the output");
+    Ok((out.reshape((b, l, hidden))?, keep.then_some(act)))
 }
 
-/// Recomputes `layer` on `x` (`[B, L, hidden]`, sequences from position 0) and returns the
-/// gradient of `x` for `grad` (the gradient of the layer's output), storing the gradients of
-/// the layer's adapter matrices in `grads`.
+/// The gradient of `x` (`[B, L, hidden]`, sequences from position 0), `layer`'s input, for
+/// `grad` (the gradient of the layer's output), storing the gradients of the layer's adapter
+/// matrices in `grads`. The layer is recomputed on `x` unless its activations were `kept`.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn layer_backward(
     layer: &DecoderLayer,
     x: &Tensor,
+    kept: Option<Activations>,
     grad: &Tensor,
     rope: &RopeTables,
     adapter: &LoraAdapter,
@@ -303,7 +328,10 @@ pub(super) fn layer_backward(
         gate,
         up,
         out: _,
-    } = activations(layer, &x, (b, l), rope, &projs, false)?;
+    } = match kept {
+        Some(act) => act,
+        None => activations(layer, &x, (b, l), rope, &projs, false)?,
+    };
     let mut back = |proj: Proj, dy: &Tensor, sum: Option<Tensor>, grads: &mut GradStore| {
         let s = saved[proj.index()]
             .take()

@@ -4,6 +4,13 @@
 use super::*;
 
 impl Model {
+    /// Whether training layers run the hand-written backward ([`backward::layer_backward`]),
+    /// which can keep layers' activations instead of recomputing them: the fused kernels exist
+    /// for this device and dtype and are switched on.
+    pub fn has_layer_backward(&self) -> bool {
+        MANUAL_BACKWARD.on() && crate::engine::ops::supported_for(self.device(), self.dtype())
+    }
+
     /// The gradient of [`Model::logits`]' input (`[N, hidden]`) given the logits' (`[N, vocab]`),
     /// for a trainer that runs the head's backward itself.
     pub fn logits_input_grad(&self, grad: &Tensor) -> Result<Tensor> {
@@ -11,15 +18,21 @@ impl Model {
     }
 
     /// [`Model::forward_hidden`]'s layers (rows packed as `packing` says) for training with
-    /// recomputation (gradient checkpointing): run without a graph, keeping only each layer's input, so that a step holds
-    /// one layer's activations at a time instead of every layer's. Returns the last layer's
-    /// output as a variable, where the graph of the head and the loss starts (apply
-    /// [`Model::final_norm`] to it), and the inputs that [`Model::backward_layers`] needs.
+    /// recomputation (gradient checkpointing): run without a graph, keeping each layer's input
+    /// and, for as many of the last layers as `keep_bytes` holds, the activations their backward
+    /// reads; [`Model::backward_layers`] recomputes the other layers one at a time (a second
+    /// forward pass of theirs, to hold one layer's activations instead of all). Returns the last
+    /// layer's output as a variable, where the graph of the head and the loss starts (apply
+    /// [`Model::final_norm`] to it), and what [`Model::backward_layers`] needs.
+    ///
+    /// Activations are kept only where the hand-written layer backward runs (an adapter, the
+    /// fused kernels for this device and dtype).
     pub fn forward_layers_checkpointed(
         &self,
         input_ids: &Tensor,
         packing: Option<&PackedRows>,
         adapter: Option<&LoraAdapter>,
+        keep_bytes: usize,
     ) -> Result<(Var, LayerInputs)> {
         self.check_ids(input_ids)?;
         let rope = self.row_tables(input_ids.dims2()?, packing)?;
@@ -29,21 +42,44 @@ impl Model {
             quantized: false,
         };
         let mut x = self.embed(input_ids)?;
-        let mut inputs = Vec::with_capacity(self.layers.len());
+        let num_layers = self.layers.len();
+        let mut inputs = Vec::with_capacity(num_layers);
         let mut casts = Vec::new();
-        let manual = adapter.filter(|_| backward::available(&x) && MANUAL_BACKWARD.on());
+        let mut kept = Vec::with_capacity(num_layers);
+        // Layers whose activations are kept: the last ones, whose backward runs first, so that
+        // their memory is free again before the others are recomputed. Every layer's
+        // activations are the same size: layer 0's (computed either way) decide how many.
+        let mut keep_from = num_layers;
+        let mut layer_bytes = 0;
+        let manual = adapter.filter(|_| self.has_layer_backward());
         for (i, layer) in self.layers.iter().enumerate() {
             inputs.push(x.clone());
-            x = match manual {
-                Some(adapter) => {
-                    casts.push(backward::LayerCasts::new(adapter, i, x.dtype())?);
-                    backward::layer_forward(layer, &x, &rope, adapter, &casts[i])?
-                }
-                None => layer.forward(&x, &rope, None, None, &fwd)?,
+            let Some(adapter) = manual else {
+                x = layer.forward(&x, &rope, None, None, &fwd)?;
+                continue;
             };
+            casts.push(backward::LayerCasts::new(adapter, i, x.dtype())?);
+            let measure = i == 0 && keep_bytes > 0;
+            let (out, act) = backward::layer_forward(
+                layer,
+                &x,
+                &rope,
+                adapter,
+                &casts[i],
+                measure || i >= keep_from,
+            )?;
+            if measure {
+                let bytes = act.as_ref().map_or(0, backward::Activations::bytes);
+                layer_bytes = bytes;
+                keep_from = num_layers - (keep_bytes / bytes.max(1)).min(num_layers);
+            }
+            kept.push(act.filter(|_| i >= keep_from));
+            x = out;
         }
         let inputs = LayerInputs {
             inputs,
+            kept,
+            layer_bytes,
             rope,
             casts,
         };
@@ -75,10 +111,13 @@ impl Model {
         };
         let mut grad = grad.detach();
         let mut casts = inputs.casts;
+        let mut kept = inputs.kept;
         for (i, x) in inputs.inputs.into_iter().enumerate().rev() {
             if let Some(cast) = casts.pop() {
                 let layer = &self.layers[i];
-                grad = backward::layer_backward(layer, &x, &grad, &rope, adapter, &cast, grads)?;
+                let act = kept.pop().flatten();
+                grad =
+                    backward::layer_backward(layer, &x, act, &grad, &rope, adapter, &cast, grads)?;
                 continue;
             }
             // Elsewhere (no fused kernels): candle's autograd over one layer's rebuilt graph.

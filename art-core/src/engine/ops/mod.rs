@@ -41,9 +41,13 @@ pub(crate) use transpose::transpose12;
 /// Whether the fused kernels run for tensors like `t` (CPU f32 or f64, CUDA f32 or bf16, and not
 /// switched off with [`set_fused_ops`] or `ART_FUSED_OPS=0`).
 pub(crate) fn supported(t: &Tensor) -> bool {
-    let dtype = t.dtype();
+    supported_for(t.device(), t.dtype())
+}
+
+/// [`supported`] for tensors of `device` and `dtype`.
+pub(crate) fn supported_for(device: &candle_core::Device, dtype: DType) -> bool {
     fused_ops()
-        && match t.device() {
+        && match device {
             candle_core::Device::Cpu => matches!(dtype, DType::F32 | DType::F64),
             candle_core::Device::Cuda(_) => {
                 cfg!(feature = "cuda") && matches!(dtype, DType::F32 | DType::BF16)
