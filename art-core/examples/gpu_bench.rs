@@ -61,6 +61,8 @@ struct Args {
     batches: Vec<usize>,
     prompt: usize,
     tokens: usize,
+    /// `--grpo-prompt N`: the GRPO batch's prompt length (default 512).
+    grpo_prompt: usize,
     train_batch: usize,
     seq: usize,
     iters: usize,
@@ -95,6 +97,7 @@ fn parse_args() -> Args {
         batches: vec![1, 16, 64],
         prompt: 128,
         tokens: 256,
+        grpo_prompt: 512,
         train_batch: 8,
         seq: 512,
         iters: 3,
@@ -127,6 +130,7 @@ fn parse_args() -> Args {
                     .collect()
             }
             "--prompt" => args.prompt = value().parse().expect("--prompt N"),
+            "--grpo-prompt" => args.grpo_prompt = value().parse().expect("--grpo-prompt N"),
             "--tokens" => args.tokens = value().parse().expect("--tokens N"),
             "--batch" => args.train_batch = value().parse().expect("--batch N"),
             "--seq" => args.seq = value().parse().expect("--seq N"),
@@ -315,10 +319,10 @@ fn grpo(args: &Args, device: &Device) {
         let monitor = PeakMemory::start(device);
         let weights = art_core::engine::gpu_memory(device).map(|(f, t)| t - f);
         let mut ids = Ids(0x5eed);
-        // 512-token prompts, shorter where the model's context could not hold 512 + 256 (a
-        // smoke test on the tiny shape).
+        // `--grpo-prompt` tokens (512), fewer where the model's context could not hold them and
+        // 256 more (a smoke test on the tiny shape).
         let context = engine.config().max_position_embeddings;
-        let prompt_len = 512.min(context.saturating_sub(257)).max(1);
+        let prompt_len = args.grpo_prompt.min(context.saturating_sub(257)).max(1);
         // A scheduler with the prefix cache and one without (each keeps the CUDA graphs its
         // warm-up captured).
         let mut schedulers = [engine.scheduler(), engine.scheduler()];
@@ -347,15 +351,18 @@ fn grpo(args: &Args, device: &Device) {
             let t0 = Instant::now();
             let mut generated = 0;
             let mut cached = 0;
+            // The running sequences' caches at their largest (their buffers' whole capacity).
+            let mut most_kv = 0;
             while !scheduler.is_idle() {
                 generated += scheduler.step().unwrap().len();
+                most_kv = most_kv.max(scheduler.kv_bytes_in_use());
                 cached += scheduler
                     .take_finished()
                     .iter()
                     .map(|(_, o)| o.cached_prompt_tokens)
                     .sum::<usize>();
             }
-            (generated, cached, t0.elapsed().as_secs_f64())
+            (generated, cached, most_kv, t0.elapsed().as_secs_f64())
         };
         // (what, n, which scheduler)
         let ways = [
@@ -371,7 +378,7 @@ fn grpo(args: &Args, device: &Device) {
             if let Some(m) = &monitor {
                 m.reset(device);
             }
-            let (generated, cached, seconds) = run(&mut schedulers[s], n, 256);
+            let (generated, cached, most_kv, seconds) = run(&mut schedulers[s], n, 256);
             let peak = monitor.as_ref().map_or("-".to_string(), |m| {
                 format!(
                     "{:.2} GB above the weights",
@@ -381,9 +388,12 @@ fn grpo(args: &Args, device: &Device) {
             println!(
                 "GRPO {shape} 16 prompts x {prompt_len} tokens, 8 rollouts x 256 tokens, {way}: \
                  {seconds:.2} s, {:.0} sampled tok/s, {cached} of {} prompt tokens not prefilled; \
-                 peak {peak}, prefix cache {:.2} GB after",
+                 running caches at most {:.3} GB ({} positions); peak {peak}, prefix cache \
+                 {:.2} GB after",
                 generated as f64 / seconds,
                 16 * prompt_len * 8 / n,
+                gb(most_kv),
+                most_kv / engine.model().kv_bytes_per_position(),
                 gb(schedulers[s].prefix_cache_bytes()),
             );
         }

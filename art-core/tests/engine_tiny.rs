@@ -900,6 +900,55 @@ fn a_long_prompt_is_prefilled_in_chunks_while_others_decode() {
     assert_eq!(chunked.cached_prompt_tokens, 0);
 }
 
+/// A sequence's cache grows by doubling, but never past its prompt and `max_tokens`: a group of
+/// four rollouts of a ~100-token prompt with `max_tokens` 8 holds at most 4 x (prompt + 8)
+/// positions, prefilled (first round) and taken from the prefix cache (second round); doubling
+/// alone would give each twice its prompt. ~0.1 s.
+#[test]
+fn caches_never_grow_past_the_prompt_and_max_tokens() {
+    let (_dir, engine) = tiny(Architecture::Qwen2);
+    let per_position = engine.model().kv_bytes_per_position();
+    let prompt = engine
+        .encode(&"the cat sat on the mat. ".repeat(14), false)
+        .unwrap();
+    assert!(prompt.len() > 64, "{} tokens", prompt.len());
+    let params = SamplingParams {
+        n: 4,
+        temperature: 1.0,
+        seed: Some(3),
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut scheduler = engine.scheduler();
+    for round in 0..2 {
+        scheduler
+            .add(request(prompt.clone(), params.clone()))
+            .unwrap();
+        let mut most = 0;
+        while !scheduler.is_idle() {
+            scheduler.step().unwrap();
+            most = most.max(scheduler.kv_bytes_in_use());
+        }
+        let finished = scheduler.take_finished();
+        assert_eq!(finished[0].1.completions.len(), 4);
+        assert!(
+            finished[0]
+                .1
+                .completions
+                .iter()
+                .all(|c| c.tokens.len() == 8),
+            "round {round}"
+        );
+        let positions = most / per_position;
+        assert!(
+            positions <= 4 * (prompt.len() + 8),
+            "round {round}: the caches held {positions} positions for 4 x ({} + 8)",
+            prompt.len()
+        );
+    }
+}
+
 /// A cache budget that holds a few sequences: requests start as memory allows, the newest
 /// sequences are preempted when the others' caches grow, and resume later with their caches
 /// rebuilt; every completion is what an unbounded budget gives (greedy and seeded sampling),

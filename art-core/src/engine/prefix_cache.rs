@@ -118,10 +118,12 @@ impl PrefixCache {
     }
 
     /// A starting point for `prompt` (see [`Reuse`]), or `None` when nothing useful is cached.
+    /// The copy's room to grow stops at `max_len` positions, the most its sequence will hold.
     pub fn reuse(
         &mut self,
         adapter: Option<&Arc<LoraAdapter>>,
         prompt: &[u32],
+        max_len: usize,
     ) -> Result<Option<Reuse>> {
         let Some((i, len)) = self.best(adapter, prompt) else {
             return Ok(None);
@@ -131,8 +133,11 @@ impl PrefixCache {
             .then(|| entry.logits.clone())
             .flatten();
         // Room for the rest of the prompt and some decoding before the buffers grow.
-        let capacity = prompt.len().max(64).next_power_of_two();
-        let cache = entry.cache.copy_prefix(len, capacity)?;
+        let room = prompt.len().max(64).next_power_of_two();
+        let mut cache = entry
+            .cache
+            .copy_prefix(len, room.min(max_len).max(prompt.len()))?;
+        cache.set_max_len(max_len);
         self.entries.push(entry);
         Ok(Some(Reuse { cache, logits }))
     }
@@ -194,13 +199,13 @@ mod tests {
         let p = prompt(48, 1);
         cache.insert(None, p.clone(), cache_of(&p), Some(vec![0.5; 3]), |_| true);
 
-        let whole = cache.reuse(None, &p).unwrap().unwrap();
+        let whole = cache.reuse(None, &p, usize::MAX).unwrap().unwrap();
         assert_eq!(whole.logits, Some(vec![0.5; 3]));
         assert_eq!(keys(&whole.cache), p);
 
         let mut longer = p.clone();
         longer.extend([999, 998]);
-        let prefix = cache.reuse(None, &longer).unwrap().unwrap();
+        let prefix = cache.reuse(None, &longer, usize::MAX).unwrap().unwrap();
         assert!(prefix.logits.is_none());
         assert_eq!(keys(&prefix.cache), p);
         assert_eq!(cache.reusable(None, &longer), 48);
@@ -210,14 +215,17 @@ mod tests {
         for shared in 32..48 {
             let other = [&p[..shared], &[999, 998, 997]].concat();
             assert_eq!(cache.reusable(None, &other), 32, "{shared} shared");
-            let start = cache.reuse(None, &other).unwrap().unwrap();
+            let start = cache.reuse(None, &other, usize::MAX).unwrap().unwrap();
             assert_eq!(keys(&start.cache), p[..32]);
         }
         // A shorter prompt: its last token must still run, for its logits.
         assert_eq!(cache.reusable(None, &p[..47]), 32);
         // Too little in common, or another prompt.
         assert_eq!(cache.reusable(None, &p[..20]), 0);
-        assert!(cache.reuse(None, &prompt(48, 2)).unwrap().is_none());
+        assert!(cache
+            .reuse(None, &prompt(48, 2), usize::MAX)
+            .unwrap()
+            .is_none());
     }
 
     #[test]
@@ -231,7 +239,7 @@ mod tests {
         assert_eq!(cache.used_bytes(), 2 * one_entry);
         // Using p makes q the least recently used: a third entry evicts q.
         assert!(cache
-            .reuse(None, &[p.clone(), vec![5]].concat())
+            .reuse(None, &[p.clone(), vec![5]].concat(), usize::MAX)
             .unwrap()
             .is_some());
         let r = prompt(48, 5);

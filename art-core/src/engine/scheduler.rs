@@ -119,6 +119,9 @@ struct Sequence {
     prompt: Arc<[u32]>,
     /// The last token, not yet fed to the model.
     next_input: u32,
+    /// The most positions its cache will hold: the prompt and `max_tokens`, within the
+    /// model's context.
+    max_len: usize,
     generated: Vec<SampledToken>,
     cache: KvCache,
     sampler: Sampler,
@@ -394,13 +397,22 @@ impl<'e> Scheduler<'e> {
         self.preemptions
     }
 
-    /// Bytes a sequence's cache takes when it holds `len` tokens after a prefill of `prompt`.
-    fn kv_bytes_for(&self, prompt: usize, len: usize) -> usize {
-        let mut capacity = grown_capacity(0, prompt);
+    /// Bytes a sequence's cache takes when it holds `len` tokens after a prefill of `prompt`,
+    /// its growth capped at `max_len` positions.
+    fn kv_bytes_for(&self, prompt: usize, len: usize, max_len: usize) -> usize {
+        let max_len = Some(max_len);
+        let mut capacity = grown_capacity(0, prompt, max_len);
         while capacity < len {
-            capacity = grown_capacity(capacity, capacity + 1);
+            capacity = grown_capacity(capacity, capacity + 1, max_len);
         }
         capacity * self.engine.model().kv_bytes_per_position()
+    }
+
+    /// The most positions a sequence of `request` can reach: its prompt and `max_tokens`,
+    /// within the model's context.
+    fn max_len(&self, request: &GenerationRequest) -> usize {
+        let context = self.engine.config().max_position_embeddings;
+        (request.prompt.len() + request.params.max_tokens).min(context)
     }
 
     /// Bytes the prefix cache holds now.
@@ -446,8 +458,8 @@ impl<'e> Scheduler<'e> {
             .validate()
             .map_err(EngineError::InvalidRequest)?;
         let prompt = request.prompt.len();
-        let longest = (prompt + request.params.max_tokens).min(config.max_position_embeddings);
-        let needed = self.kv_bytes_for(prompt, longest);
+        let longest = self.max_len(&request);
+        let needed = self.kv_bytes_for(prompt, longest, longest);
         if needed > self.kv_budget {
             return Err(EngineError::InvalidRequest(format!(
                 "the prompt's {prompt} tokens and max_tokens {} need {} MiB of key/value cache, \
@@ -622,7 +634,8 @@ impl<'e> Scheduler<'e> {
             }
             let (_, request, _) = self.waiting.front().expect("checked above");
             let prompt = request.prompt.len();
-            let caches = request.params.n * self.kv_bytes_for(prompt, prompt + 1);
+            let caches =
+                request.params.n * self.kv_bytes_for(prompt, prompt + 1, self.max_len(request));
             let idle = admitted.is_empty() && self.running.is_empty();
             if caches > memory && !idle {
                 break;
@@ -659,7 +672,8 @@ impl<'e> Scheduler<'e> {
             return Ok(false);
         }
         let timer = Instant::now();
-        let mut cache = match self.prefix.reuse(adapter.as_ref(), &prompt)? {
+        // (Copied tight into the prefix cache below: no room to grow past the prompt.)
+        let mut cache = match self.prefix.reuse(adapter.as_ref(), &prompt, prompt.len())? {
             Some(reuse) => reuse.cache,
             None => model.new_cache(),
         };
@@ -703,8 +717,12 @@ impl<'e> Scheduler<'e> {
             if self.prefix.enabled() {
                 first_of.insert(key, i);
             }
+            let max_len = self.max_len(request);
             starts.push(
-                match self.prefix.reuse(adapter.as_ref(), &request.prompt)? {
+                match self
+                    .prefix
+                    .reuse(adapter.as_ref(), &request.prompt, max_len)?
+                {
                     Some(Reuse {
                         cache,
                         logits: Some(logits),
@@ -713,7 +731,11 @@ impl<'e> Scheduler<'e> {
                         cache,
                         logits: None,
                     }) => Start::Run(cache),
-                    None => Start::Run(model.new_cache()),
+                    None => {
+                        let mut cache = model.new_cache();
+                        cache.set_max_len(max_len);
+                        Start::Run(cache)
+                    }
                 },
             );
         }
@@ -818,6 +840,7 @@ impl<'e> Scheduler<'e> {
                 pending.cached_prompt_tokens = cached.saturating_sub(pending.prefilled_in_chunks);
                 pending.constraint.take()
             });
+            let max_len = self.max_len(&request);
             let prompt: Arc<[u32]> = request.prompt.into();
             for index in 0..request.params.n {
                 let Start::Ready(cache, row) = &mut starts[source] else {
@@ -825,22 +848,31 @@ impl<'e> Scheduler<'e> {
                 };
                 let row = row.clone();
                 uses[source] -= 1;
+                // A copy has room for its first decoded token already (no second copy to grow
+                // it), within what this request can reach (a repeated prompt's request may
+                // stop sooner than the first's).
+                let len = cache.len();
+                let copy_capacity =
+                    grown_capacity(cache.capacity().min(max_len), len + 1, Some(max_len));
+                let copy_bytes = copy_capacity * model.kv_bytes_per_position();
                 // A copy that would pass the budget is not made: the sequence starts preempted
                 // (its first token sampled), and its cache is rebuilt when memory allows.
-                let fits = in_use == 0 || in_use + cache.bytes() <= self.kv_budget;
-                let (cache, preempted) = if uses[source] == 0 {
+                let fits = in_use == 0 || in_use + copy_bytes <= self.kv_budget;
+                let (mut cache, preempted) = if uses[source] == 0 {
                     (std::mem::take(cache), false)
                 } else if fits {
-                    (cache.deep_clone()?, false)
+                    (cache.copy_prefix(len, copy_capacity)?, false)
                 } else {
                     (model.new_cache(), true)
                 };
+                cache.set_max_len(max_len);
                 in_use += cache.bytes();
                 let seq = Sequence {
                     request: id,
                     index,
                     prompt: prompt.clone(),
                     next_input: 0,
+                    max_len,
                     generated: Vec::new(),
                     cache,
                     sampler: Sampler::new(request.params.clone(), index),
@@ -894,8 +926,7 @@ impl<'e> Scheduler<'e> {
     /// refuses requests that could get there, so this is a last resort).
     fn make_room_to_decode(&mut self) {
         let per_position = self.engine.model().kv_bytes_per_position();
-        let next =
-            |s: &Sequence| per_position * grown_capacity(s.cache.capacity(), s.cache.len() + 1);
+        let next = |s: &Sequence| per_position * s.cache.grown_for(s.cache.len() + 1);
         let mut needed: usize = self.running.iter().map(next).sum();
         while needed > self.kv_budget {
             // `running` is in arrival order (see `retire`): the last is the newest.
@@ -938,16 +969,20 @@ impl<'e> Scheduler<'e> {
         let model = self.engine.model();
         while let Some(seq) = self.preempted.front() {
             let len = seq.cached_len();
-            let needed = self.kv_bytes_for(len, len + 1);
+            let needed = self.kv_bytes_for(len, len + 1, seq.max_len);
             if !self.running.is_empty() && self.kv_bytes_in_use() + needed > self.kv_budget {
                 break;
             }
             let mut seq = self.preempted.pop_front().expect("checked above");
             let tokens: Vec<u32> = seq.cached_tokens().collect();
-            let mut cache = match self.prefix.reuse(seq.adapter.as_ref(), &tokens)? {
+            let mut cache = match self
+                .prefix
+                .reuse(seq.adapter.as_ref(), &tokens, seq.max_len)?
+            {
                 Some(reuse) => reuse.cache,
                 None => model.new_cache(),
             };
+            cache.set_max_len(seq.max_len);
             if cache.len() < tokens.len() {
                 let rest = &tokens[cache.len()..];
                 let input = Tensor::new(rest, model.device())?.unsqueeze(0)?;

@@ -9,8 +9,9 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
-/// The keys and values one sequence has seen, for every layer. Storage grows by doubling, and
-/// new entries are written in place.
+/// The keys and values one sequence has seen, for every layer. Storage grows by doubling (up to
+/// the most positions the sequence can reach, when that is known), and new entries are written
+/// in place.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     /// `[layers, 2, kv_heads, capacity, head_dim]`: each layer's keys, then its values, valid
@@ -18,6 +19,9 @@ pub struct KvCache {
     buf: Option<Tensor>,
     num_layers: usize,
     pub(super) len: usize,
+    /// The most positions the sequence will ever hold (its prompt and `max_tokens`), past
+    /// which growing by doubling would only waste memory; `None`: unknown.
+    max_len: Option<usize>,
 }
 
 impl KvCache {
@@ -26,7 +30,18 @@ impl KvCache {
             buf: None,
             num_layers,
             len: 0,
+            max_len: None,
         }
+    }
+
+    /// Caps the buffer's growth at `max_len` positions, the most the sequence will hold.
+    pub fn set_max_len(&mut self, max_len: usize) {
+        self.max_len = Some(max_len);
+    }
+
+    /// The capacity the buffer has once it holds `len` positions (see [`grown_capacity`]).
+    pub fn grown_for(&self, len: usize) -> usize {
+        grown_capacity(self.capacity(), len, self.max_len)
     }
 
     /// Tokens cached so far (the position of the next token).
@@ -41,11 +56,6 @@ impl KvCache {
     /// Positions the buffer holds before it must grow.
     pub fn capacity(&self) -> usize {
         self.buf.as_ref().map_or(0, |b| b.dims()[3])
-    }
-
-    /// An independent copy (for sampling several continuations of one prompt).
-    pub fn deep_clone(&self) -> Result<Self> {
-        self.copy_prefix(self.len, self.capacity().max(self.len))
     }
 
     /// An independent copy of the first `len` positions, in a buffer of `capacity >= len`
@@ -63,6 +73,7 @@ impl KvCache {
             buf,
             num_layers: self.num_layers,
             len,
+            max_len: self.max_len,
         })
     }
 
@@ -87,7 +98,7 @@ impl KvCache {
         if len <= capacity {
             return Ok(());
         }
-        let new_capacity = grown_capacity(capacity, len);
+        let new_capacity = self.grown_for(len);
         self.buf = Some(match &self.buf {
             Some(old) => copy_positions(old, self.len, new_capacity)?,
             None => Tensor::zeros((self.num_layers, 2, kv, new_capacity, hd), dtype, device)?,
@@ -142,13 +153,14 @@ impl KvCache {
 }
 
 /// The capacity a buffer of `capacity` positions has once it holds `len`: itself if `len` fits,
-/// else doubled (at least 64 positions, at least `len`). The scheduler's memory accounting
-/// predicts growth with it.
-pub fn grown_capacity(capacity: usize, len: usize) -> usize {
+/// else doubled (at least 64 positions), but no more than `max_len` (the most it will hold)
+/// and no less than `len`. The scheduler's memory accounting predicts growth with it.
+pub fn grown_capacity(capacity: usize, len: usize, max_len: Option<usize>) -> usize {
     if len <= capacity {
         capacity
     } else {
-        len.max(2 * capacity).max(64)
+        let doubled = len.max(2 * capacity).max(64);
+        doubled.min(max_len.unwrap_or(usize::MAX)).max(len)
     }
 }
 
@@ -189,6 +201,36 @@ impl KvCache {
 mod tests {
     use super::*;
 
+    /// Growth doubles, but not past the most positions the sequence will hold.
+    #[test]
+    fn growth_stops_at_the_sequences_longest() {
+        assert_eq!(grown_capacity(0, 10, None), 64);
+        assert_eq!(grown_capacity(64, 65, None), 128);
+        assert_eq!(grown_capacity(0, 10, Some(30)), 30);
+        assert_eq!(grown_capacity(70, 71, Some(100)), 100);
+        assert_eq!(
+            grown_capacity(100, 100, Some(90)),
+            100,
+            "what it has, it keeps"
+        );
+        assert_eq!(
+            grown_capacity(70, 120, Some(100)),
+            120,
+            "never less than asked"
+        );
+        let kv = Tensor::zeros((1, 1, 70, 2), DType::F32, &Device::Cpu).unwrap();
+        let mut cache = KvCache::new(1);
+        cache.set_max_len(100);
+        cache.append(0, 0, &kv, &kv).unwrap();
+        cache.len = 70;
+        assert_eq!(cache.capacity(), 70);
+        let more = kv.narrow(2, 0, 20).unwrap();
+        cache.append(0, 70, &more, &more).unwrap();
+        assert_eq!(cache.capacity(), 100);
+        let copy = cache.copy_prefix(40, 60).unwrap();
+        assert_eq!(copy.grown_for(61), 100, "a copy keeps the cap");
+    }
+
     /// Keys and values of two layers written through `append`, then copied, grown and read back
     /// layer by layer: every layer keeps its own positions.
     #[test]
@@ -222,7 +264,7 @@ mod tests {
         }
         assert_eq!(cache.capacity(), 128, "64, then doubled");
         let copy = cache.copy_prefix(40, 40).unwrap();
-        let grown = cache.deep_clone().unwrap();
+        let grown = cache.copy_prefix(75, 128).unwrap();
         for (c, len) in [(&cache, 75), (&copy, 40), (&grown, 75)] {
             for layer in 0..2 {
                 let (k, v) = c.layer(layer).unwrap().unwrap();
