@@ -10,6 +10,7 @@
 //! gpu_bench decode --compare-hf     # and compiled HF (scripts/hf_decode_reference.py), ratios
 //! gpu_bench grpo --shapes qwen2.5-1.5b   # 16 prompts x 8 rollouts: n = 8, prefix cache on, off
 //! gpu_bench train --shapes qwen2.5-7b --batch 8 --seq 512 --iters 3
+//! gpu_bench train --compare-hf      # and HF + peft (scripts/hf_train_reference.py), ratios
 //! gpu_bench packed --shapes qwen2.5-1.5b   # 64 sequences of 64-1024 tokens, packed or not
 //! gpu_bench parity
 //! gpu_bench profile --shapes qwen2.5-0.5b   # where a training step's time goes
@@ -22,8 +23,11 @@
 //! rate the weights are read at as a fraction of the card's memory bandwidth (`--hbm-gbs`).
 //! `--compare-hf` then runs the compiled Hugging Face reference for the same shape and batches
 //! in the same process call and prints ours against it. Train: forward + backward of the GRPO loss
-//! with LoRA r=8 on all seven linear layers and an AdamW step, `--batch` x `--seq` tokens.
-//! Train prints its ratio to HF transformers + peft as measured on an H200. Packed: a training
+//! with LoRA r=8 on all seven linear layers and an AdamW step, `--batch` x `--seq` tokens, with
+//! the model FLOP/s (6 x params x tok/s) against `--peak-tflops`; with `--compare-hf`, then HF
+//! transformers + peft (and Liger's kernels, when installed) on the same shape and tokens in the
+//! same process call (`scripts/hf_train_reference.py`), ours against each; without it, the
+//! ratio to HF + peft as measured on an H200 on 2026-12-04. Packed: a training
 //! step (forward and backward of every micro-batch, as the trainer plans them) over `--count`
 //! sequences of uneven lengths (`--lengths MIN-MAX`), with sequences packed into shared rows and
 //! with one padded row each, same call, same sequences. Parity: logits,
@@ -69,9 +73,14 @@ struct Args {
     /// `--checkpointing on|off|auto`: every layer recomputed, candle's whole graph, or the
     /// trainer's own choice (the default: as many layers' activations kept as memory allows).
     checkpointing: Option<bool>,
-    /// `--compare-hf [SCRIPT]`: after each shape, run the compiled-HF reference (default
-    /// `scripts/hf_decode_reference.py`) with `--python` (default `python3`) and print ratios.
+    /// `--compare-hf [SCRIPT]`: after each shape, run the Hugging Face reference (default
+    /// `scripts/hf_decode_reference.py` for decode, `scripts/hf_train_reference.py` for train;
+    /// empty here until the command picks it) with `--python` (default `python3`) and print
+    /// ratios.
     compare_hf: Option<String>,
+    /// `--peak-tflops N`: the card's dense bf16 peak, for the model FLOP utilisation train
+    /// prints (default 989, an H100 or H200 SXM).
+    peak_tflops: f64,
     python: String,
     /// `--hbm-gbs N`: the card's memory bandwidth for the fraction printed (default: 4,800 for
     /// a card with more than 100 GiB, an H200; else 3,350, an H100 SXM).
@@ -103,6 +112,7 @@ fn parse_args() -> Args {
         iters: 3,
         checkpointing: None,
         compare_hf: None,
+        peak_tflops: 989.0,
         python: "python3".into(),
         hbm_gbs: None,
         count: 64,
@@ -115,7 +125,7 @@ fn parse_args() -> Args {
         if flag == "--compare-hf" {
             args.compare_hf = Some(match it.peek() {
                 Some(next) if !next.starts_with("--") => it.next().unwrap(),
-                _ => "scripts/hf_decode_reference.py".into(),
+                _ => String::new(),
             });
             continue;
         }
@@ -136,6 +146,7 @@ fn parse_args() -> Args {
             "--seq" => args.seq = value().parse().expect("--seq N"),
             "--iters" => args.iters = value().parse().expect("--iters N"),
             "--python" => args.python = value(),
+            "--peak-tflops" => args.peak_tflops = value().parse().expect("--peak-tflops N"),
             "--hbm-gbs" => args.hbm_gbs = Some(value().parse().expect("--hbm-gbs N")),
             "--count" => args.count = value().parse().expect("--count N"),
             "--lengths" => {
@@ -300,7 +311,7 @@ fn decode(args: &Args, device: &Device) {
         }
         drop(scheduler);
         drop(engine);
-        if let Some(script) = &args.compare_hf {
+        if let Some(script) = hf_script(args, "scripts/hf_decode_reference.py") {
             compare_hf(args, script, shape, &ours);
         }
     }
@@ -400,9 +411,10 @@ fn grpo(args: &Args, device: &Device) {
     }
 }
 
-/// Bytes of weights one decode step reads: every layer's projections and the head (the
-/// embedding lookup reads one row per token), in the model's dtype.
-fn weight_bytes_per_step(engine: &Engine) -> f64 {
+/// The weights of every layer's projections and of the head (the embedding lookup reads one
+/// row per token): what a decode step reads, and the `params` of a step's 6 x params FLOP per
+/// trained token.
+fn matmul_params(engine: &Engine) -> usize {
     let c = engine.config();
     let (h, q, kv) = (
         c.hidden_size,
@@ -410,35 +422,63 @@ fn weight_bytes_per_step(engine: &Engine) -> f64 {
         c.num_key_value_heads * c.head_dim,
     );
     let per_layer = h * q + 2 * h * kv + q * h + 3 * h * c.intermediate_size;
-    let params = c.num_hidden_layers * per_layer + c.vocab_size * h;
-    (params * engine.model().dtype().size_in_bytes()) as f64
+    c.num_hidden_layers * per_layer + c.vocab_size * h
+}
+
+/// Bytes of weights one decode step reads, in the model's dtype.
+fn weight_bytes_per_step(engine: &Engine) -> f64 {
+    (matmul_params(engine) * engine.model().dtype().size_in_bytes()) as f64
+}
+
+/// The `--compare-hf` script for this command (`default` when none was named), if asked for.
+fn hf_script<'a>(args: &'a Args, default: &'a str) -> Option<&'a str> {
+    let script = args.compare_hf.as_deref()?;
+    Some(if script.is_empty() { default } else { script })
+}
+
+/// Runs a Hugging Face reference `script` with `script_args` in this process's call and returns
+/// the JSON objects it printed, one a line (`None`, said, when it failed).
+fn run_reference(
+    args: &Args,
+    script: &str,
+    script_args: &[String],
+) -> Option<Vec<serde_json::Value>> {
+    let output = std::process::Command::new(&args.python)
+        .arg(script)
+        .args(script_args)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("could not run {} {script}: {e}", args.python));
+    if !output.status.success() {
+        println!(
+            "COMPARE: the HF reference {script} failed ({})",
+            output.status
+        );
+        return None;
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    Some(
+        text.lines()
+            .filter(|l| l.starts_with('{'))
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect(),
+    )
 }
 
 /// Runs the compiled-HF reference for `shape` in this process's call and prints ours against
 /// it batch by batch.
 fn compare_hf(args: &Args, script: &str, shape: &str, ours: &[(usize, f64)]) {
     let batches: Vec<String> = ours.iter().map(|(b, _)| b.to_string()).collect();
-    let output = std::process::Command::new(&args.python)
-        .arg(script)
-        .arg(shape)
-        .arg(batches.join(","))
-        .arg(args.prompt.to_string())
-        .arg(args.tokens.to_string())
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .unwrap_or_else(|e| panic!("could not run {} {script}: {e}", args.python));
-    if !output.status.success() {
-        println!(
-            "COMPARE {shape}: the HF reference failed ({})",
-            output.status
-        );
+    let script_args = [
+        shape.to_string(),
+        batches.join(","),
+        args.prompt.to_string(),
+        args.tokens.to_string(),
+    ];
+    let Some(lines) = run_reference(args, script, &script_args) else {
         return;
-    }
-    let text = String::from_utf8_lossy(&output.stdout);
-    for line in text.lines().filter(|l| l.starts_with('{')) {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
+    };
+    for v in lines {
         let (Some(batch), Some(hf)) = (v["batch"].as_u64(), v["tok_s"].as_f64()) else {
             continue;
         };
@@ -573,19 +613,67 @@ fn train(args: &Args, device: &Device) {
             }
         }
         let mean = rates.iter().sum::<f64>() / rates.len().max(1) as f64;
-        let hf = reference(shape);
         let peak = monitor.as_ref().map_or("-".to_string(), |m| {
             format!("{:.1} GB", gb(m.peak() - baseline.unwrap_or(0)))
         });
+        // Forward, the input gradients and the adapters' own: about 6 x params FLOP a token
+        // (more when layers are recomputed; counted as model FLOP, as MFU is).
+        let tflops = 6.0 * matmul_params(&engine) as f64 * mean / 1e12;
+        let utilisation = match device.is_cuda() {
+            true => format!(
+                ", {:.0}% of {} peak",
+                100.0 * tflops / args.peak_tflops,
+                args.peak_tflops
+            ),
+            false => String::new(),
+        };
+        let script = hf_script(args, "scripts/hf_train_reference.py");
+        // Without --compare-hf: against HF+peft as measured on an H200 on 2026-12-04.
+        let hf = reference(shape).filter(|_| script.is_none());
         println!(
-            "TRAIN {shape}: {} x {} tokens, LoRA r={} on {} modules: {mean:.0} tok/s | HF+peft {} | \
-             ratio {} | peak {peak}",
+            "TRAIN {shape}: {} x {} tokens, LoRA r={} on {} modules: {mean:.0} tok/s | model FLOP/s \
+             {tflops:.2} T{utilisation} | HF+peft (H200, 2026-12-04) {} | ratio {} | peak {peak}",
             args.train_batch,
             args.seq,
             lora.rank,
             lora.target_modules.len(),
             hf.map_or("-".to_string(), |h| format!("{h}")),
             hf.map_or("-".to_string(), |h| format!("{:.2}x", mean / h)),
+        );
+        drop(optimizer);
+        drop(adapter);
+        drop(engine);
+        if let Some(script) = script {
+            compare_train(args, script, shape, mean, &peak, device);
+        }
+    }
+}
+
+/// Runs the HF + peft training reference for `shape` (same batch and length) in this process's
+/// call and prints ours against each variant it measured.
+fn compare_train(args: &Args, script: &str, shape: &str, ours: f64, peak: &str, device: &Device) {
+    let mut script_args = vec![
+        shape.to_string(),
+        args.train_batch.to_string(),
+        args.seq.to_string(),
+    ];
+    if !device.is_cuda() {
+        script_args.push("cpu".into());
+    }
+    let Some(lines) = run_reference(args, script, &script_args) else {
+        return;
+    };
+    for v in lines {
+        let (Some(variant), Some(hf)) = (v["train"].as_str(), v["tok_s"].as_f64()) else {
+            continue;
+        };
+        let hf_peak = v["peak_gb"]
+            .as_f64()
+            .map_or("-".to_string(), |p| format!("{p:.1} GB"));
+        println!(
+            "COMPARE {shape} train: ours {ours:9.0} tok/s (peak {peak}) | {variant} {hf:9.0} tok/s \
+             (peak {hf_peak}) | ours / {variant} {:.2}x",
+            ours / hf
         );
     }
 }
