@@ -25,7 +25,8 @@ SHAPES = {
 }
 
 
-def build(shape):
+def qwen2_config(shape):
+    """The model configuration of `shape`, with PyTorch's fused attention (SDPA)."""
     hidden, mlp, layers, heads, kv, vocab, tied = SHAPES[shape]
     config = Qwen2Config(
         hidden_size=hidden,
@@ -39,7 +40,11 @@ def build(shape):
         rope_theta=1e6,
     )
     config._attn_implementation = "sdpa"
-    return Qwen2ForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    return config
+
+
+def build(shape):
+    return Qwen2ForCausalLM(qwen2_config(shape)).to("cuda", torch.bfloat16).eval()
 
 
 def main():

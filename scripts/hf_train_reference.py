@@ -19,30 +19,17 @@ import time
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
-from hf_decode_reference import SHAPES
+from hf_decode_reference import qwen2_config
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WARMUP, STEPS = 2, 5
 
 
 def build(shape, device):
-    hidden, mlp, layers, heads, kv, vocab, tied = SHAPES[shape]
-    config = Qwen2Config(
-        hidden_size=hidden,
-        intermediate_size=mlp,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        vocab_size=vocab,
-        tie_word_embeddings=tied,
-        max_position_embeddings=4096,
-        rope_theta=1e6,
-    )
-    config._attn_implementation = "sdpa"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = Qwen2ForCausalLM(config).to(device, dtype)
+    model = Qwen2ForCausalLM(qwen2_config(shape)).to(device, dtype)
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=PROJECTIONS))
 
 

@@ -6,6 +6,8 @@
 use std::path::{Path, PathBuf};
 
 use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
 use tempfile::TempDir;
 
 use art_core::engine::chat_template::ChatTemplate;
@@ -674,15 +676,7 @@ fn lora_gradients_match_finite_differences() {
         );
         assert!(out.clipped_tokens < out.num_tokens());
         let grads = out.backward(engine.model(), &adapter).unwrap();
-        let all: Vec<Vec<f32>> = adapter
-            .named_vars()
-            .iter()
-            .map(|(name, var)| {
-                let g = grads.get(var.as_tensor());
-                let g = g.unwrap_or_else(|| panic!("no gradient for {name}"));
-                g.flatten_all().unwrap().to_vec1().unwrap()
-            })
-            .collect();
+        let all = adapter_gradients(&adapter, &grads);
         if config.gradient_checkpointing == Some(false) {
             assert_eq!(out.kept_layers, None);
             whole_graph_grads.push(all);
@@ -804,16 +798,7 @@ fn kept_layer_activations_give_the_gradients_of_recomputed_ones() {
         model
             .backward_layers(inputs, top_grad, &adapter, &mut grads)
             .unwrap();
-        let all = adapter
-            .named_vars()
-            .iter()
-            .map(|(name, var)| {
-                let g = grads.get(var.as_tensor());
-                let g = g.unwrap_or_else(|| panic!("no gradient for {name}"));
-                g.flatten_all().unwrap().to_vec1().unwrap()
-            })
-            .collect();
-        (kept, layer_bytes, all)
+        (kept, layer_bytes, adapter_gradients(&adapter, &grads))
     };
     let (kept, layer_bytes, all_kept) = run(usize::MAX);
     assert_eq!(kept, (2, 2));
@@ -857,15 +842,21 @@ fn layout_gradients(
     )
     .unwrap();
     let grads = out.backward(engine.model(), adapter).unwrap();
-    let flat = adapter
+    let flat = adapter_gradients(adapter, &grads).concat();
+    (flat, out)
+}
+
+/// Each adapter variable's gradient in `grads`, flattened, in the adapter's order.
+fn adapter_gradients(adapter: &LoraAdapter, grads: &GradStore) -> Vec<Vec<f32>> {
+    adapter
         .named_vars()
         .iter()
-        .flat_map(|(_, var)| {
-            let g = grads.get(var.as_tensor()).expect("a gradient");
-            g.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        .map(|(name, var)| {
+            let g = grads.get(var.as_tensor());
+            let g = g.unwrap_or_else(|| panic!("no gradient for {name}"));
+            g.flatten_all().unwrap().to_vec1().unwrap()
         })
-        .collect();
-    (flat, out)
+        .collect()
 }
 
 /// `a` and `b` agree to 1e-5 of their norm (elements are sums of terms of both signs: their
