@@ -95,6 +95,8 @@ struct Settings {
     seed: u64,
     /// `art serve --device` (default: the backend's, the CPU).
     device: Option<String>,
+    /// `art serve --devices`: inference replicas, one per device (the first trains).
+    devices: Option<String>,
     /// `art serve --prefix-cache-mib` (default: the server's; 0 prefills every rollout's prompt).
     prefix_cache_mib: Option<String>,
 }
@@ -120,6 +122,7 @@ impl Settings {
             eval: 32,
             seed: 0,
             device: None,
+            devices: None,
             prefix_cache_mib: None,
         };
         let args: Vec<String> = std::env::args().skip(1).collect();
@@ -141,9 +144,10 @@ impl Settings {
                 "--eval" => settings.eval = value.parse()?,
                 "--seed" => settings.seed = value.parse()?,
                 "--device" => settings.device = Some(value.clone()),
+                "--devices" => settings.devices = Some(value.clone()),
                 "--prefix-cache-mib" => settings.prefix_cache_mib = Some(value.clone()),
                 other => anyhow::bail!(
-                    "unknown option `{other}` (use --steps, --groups, --group-size, --learning-rate, --lr-decay, --loss, --temperature, --eval, --seed, --device, --prefix-cache-mib)"
+                    "unknown option `{other}` (use --steps, --groups, --group-size, --learning-rate, --lr-decay, --loss, --temperature, --eval, --seed, --device, --devices, --prefix-cache-mib)"
                 ),
             }
         }
@@ -160,6 +164,11 @@ async fn main() -> anyhow::Result<()> {
         options
             .extra_args
             .extend(["--device".into(), device.clone()]);
+    }
+    if let Some(devices) = &settings.devices {
+        options
+            .extra_args
+            .extend(["--devices".into(), devices.clone()]);
     }
     if let Some(mib) = &settings.prefix_cache_mib {
         options

@@ -607,3 +607,49 @@ async fn a_small_kv_cache_budget_preempts_instead_of_failing() {
     let message = refused["error"]["message"].as_str().unwrap();
     assert!(message.contains("key/value cache"), "{message}");
 }
+
+/// `--devices cpu,cpu`: two inference replicas behind one endpoint. A group's requests (one
+/// prompt) all go to one replica, several prompts reach both, and /health lists each replica
+/// with its batch and adds them up. ~1 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_replicas_share_the_requests_by_prompt() {
+    let server = TestServer::tiny(|o| o.extra_replicas = vec![art_core::engine::Device::Cpu]).await;
+    let requests = |health: &Value| -> Vec<u64> {
+        let replicas = health["replicas"].as_array().unwrap();
+        replicas
+            .iter()
+            .map(|r| r["batch"]["requests"].as_u64().unwrap())
+            .collect()
+    };
+    let before = health(&server).await;
+    assert_eq!(before["status"], "ok", "{before}");
+    assert_eq!(requests(&before), vec![0, 0]);
+    assert_eq!(before["replicas"][1]["device"], "cpu");
+
+    let group = (0..8).map(|seed| post(&server, chat(json!({"seed": seed, "temperature": 1.0}))));
+    for (status, answer) in futures::future::join_all(group).await {
+        assert_eq!(status, 200, "{answer}");
+    }
+    let after_group = health(&server).await;
+    let mut counts = requests(&after_group);
+    counts.sort();
+    assert_eq!(counts, vec![0, 8], "one prompt, one replica: {after_group}");
+    assert_eq!(after_group["batch"]["requests"], 8, "{after_group}");
+
+    for k in 0..16 {
+        let body = json!({"model": "tiny", "max_tokens": 2,
+            "messages": [{"role": "user", "content": format!("Question {k}")}]});
+        let (status, answer) = post(&server, body).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    let after = health(&server).await;
+    let counts = requests(&after);
+    assert!(
+        counts
+            .iter()
+            .zip(requests(&after_group))
+            .all(|(now, then)| *now > then),
+        "different prompts reach both replicas: {after}"
+    );
+    assert_eq!(after["batch"]["requests"], 24, "{after}");
+}

@@ -45,6 +45,14 @@ struct ServeArgs {
     /// `cpu`, or `cuda` / `cuda:N` in a CUDA build.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Inference replicas, one per device: comma-separated (`cuda:0,cuda:1`; `cpu,cpu` for a
+    /// try without GPUs) or `all` (every CUDA device). The model is loaded on each, with its own
+    /// scheduler and key/value caches, behind this one endpoint; a request goes to its prompt's
+    /// replica (a group's rollouts share one prefix cache) unless that one is much busier than
+    /// another. The first device trains, and each trained adapter is copied to the others
+    /// before the training call answers. Replaces --device.
+    #[arg(long)]
+    devices: Option<String>,
     /// Sample with the GGUF file's quantized weights (llama.cpp's arithmetic: faster decoding on
     /// CPU, logits within a few percent of the dense ones). Training always uses the dense
     /// weights, so the trainer's probabilities then differ slightly from the sampler's.
@@ -105,6 +113,24 @@ fn device(name: &str) -> anyhow::Result<art_core::engine::Device> {
     }
 }
 
+/// The devices `--devices` names: a comma-separated list of `device` names, or `all`.
+fn replica_devices(list: &str) -> anyhow::Result<Vec<art_core::engine::Device>> {
+    let names: Vec<String> = match list.trim() {
+        "all" => {
+            let count = art_core::engine::cuda_device_count()?;
+            if count == 0 {
+                anyhow::bail!("--devices all: no CUDA device found");
+            }
+            (0..count).map(|i| format!("cuda:{i}")).collect()
+        }
+        list => list.split(',').map(|s| s.trim().to_string()).collect(),
+    };
+    if names.iter().any(String::is_empty) {
+        anyhow::bail!("--devices `{list}`: an empty device name (use e.g. cuda:0,cuda:1)");
+    }
+    names.iter().map(|name| device(name)).collect()
+}
+
 /// Reads standard input to its end on a thread of its own, then exits the process.
 fn exit_when_stdin_closes() {
     std::thread::spawn(|| {
@@ -149,8 +175,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if !changed.is_empty() {
                 tracing::info!(switches = %changed.join(" "), "engine switches changed");
             }
+            let mut devices = match args.devices.as_deref() {
+                None => vec![device(&args.device)?],
+                Some(list) => replica_devices(list)?,
+            };
+            let extra_replicas = devices.split_off(1);
             let load = art_core::engine::LoadOptions {
-                device: device(&args.device)?,
+                device: devices.remove(0),
                 ..Default::default()
             };
             serve(ServeOptions {
@@ -169,6 +200,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 kv_cache_mib: args.kv_cache_mib,
                 max_prefill_tokens: args.max_prefill_tokens,
                 load,
+                extra_replicas,
             })
             .await
         }

@@ -120,6 +120,20 @@ pub fn activation_budget(device: &Device) -> usize {
     available_host_memory().map_or(GIB, |bytes| bytes / 4)
 }
 
+/// How many CUDA devices the machine has (an error in a build without CUDA, or without a driver).
+pub fn cuda_device_count() -> Result<usize> {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::CudaContext;
+        let count = CudaContext::device_count().map_err(|e| {
+            candle_core::Error::Msg(format!("could not count the CUDA devices: {e:?}"))
+        })?;
+        Ok(count.max(0) as usize)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(candle_core::Error::Msg("this build has no CUDA support (feature `cuda`)".into()).into())
+}
+
 /// `(free, total)` bytes of the GPU's memory, or `None` for a CPU device.
 pub fn gpu_memory(device: &Device) -> Option<(usize, usize)> {
     #[cfg(feature = "cuda")]

@@ -264,14 +264,27 @@ impl LoraAdapter {
     /// A deep copy whose variables no longer share storage with this one's (a checkpoint that
     /// later training steps do not change).
     pub fn snapshot(&self) -> Result<Self> {
+        self.map_tensors(|t| t.copy())
+    }
+
+    /// A deep copy on `device` (an inference replica's).
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        self.map_tensors(|t| match t.device().same_device(device) {
+            true => t.copy(),
+            false => t.to_device(device),
+        })
+    }
+
+    /// This adapter with every matrix replaced by `f` of it.
+    fn map_tensors(&self, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> Result<Self> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for slots in &self.layers {
             let mut copy: [Option<LoraPair>; 7] = Default::default();
             for (dst, src) in copy.iter_mut().zip(slots.iter()) {
                 if let Some(p) = src {
                     *dst = Some(LoraPair {
-                        a: Var::from_tensor(&p.a.as_tensor().copy()?)?,
-                        b: Var::from_tensor(&p.b.as_tensor().copy()?)?,
+                        a: Var::from_tensor(&f(p.a.as_tensor())?)?,
+                        b: Var::from_tensor(&f(p.b.as_tensor())?)?,
                     });
                 }
             }

@@ -60,7 +60,9 @@ pub use config::{Architecture, ModelConfig};
 pub use constraint::Constraint;
 pub use cuda_sample::{check_device_sampling, set_device_sampling};
 pub use error::{EngineError, Result};
-pub use gpu::{activation_budget, cuda_device, gpu_memory, save_safetensors, PeakMemory};
+pub use gpu::{
+    activation_budget, cuda_device, cuda_device_count, gpu_memory, save_safetensors, PeakMemory,
+};
 pub use linear::Linear;
 pub use load::{load, LoadOptions, LoadedModel, ModelSource};
 pub use lora::{LoraAdapter, LoraPair, Proj};

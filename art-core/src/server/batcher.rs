@@ -55,6 +55,8 @@ pub struct BatcherStats {
     pub kv_cache_budget_bytes: AtomicU64,
     /// Sequences preempted for memory since the server started.
     pub preemptions: AtomicU64,
+    /// Requests admitted since the server started.
+    pub requests: AtomicU64,
 }
 
 impl BatcherStats {
@@ -67,7 +69,13 @@ impl BatcherStats {
             "kv_cache_mib": (mib(&self.kv_cache_bytes) * 100.0).round() / 100.0,
             "kv_cache_budget_mib": (mib(&self.kv_cache_budget_bytes) * 100.0).round() / 100.0,
             "preemptions": get(&self.preemptions),
+            "requests": get(&self.requests),
         })
+    }
+
+    /// Sequences running and requests waiting in the scheduler, as of the last step.
+    pub fn sequences(&self) -> u64 {
+        self.running.load(Ordering::Relaxed) + self.waiting.load(Ordering::Relaxed)
     }
 
     fn update(&self, scheduler: &crate::engine::Scheduler<'_>, new_preemptions: u64) {
@@ -115,6 +123,16 @@ impl Batcher {
     /// The batch and its memory as of the last step.
     pub fn stats(&self) -> &BatcherStats {
         &self.stats
+    }
+
+    /// Requests submitted and not yet taken by the batching thread.
+    pub fn queued(&self) -> usize {
+        self.capacity - self.queue.capacity()
+    }
+
+    /// Whether the batching thread still takes requests (it stops only by failing).
+    pub fn is_running(&self) -> bool {
+        !self.queue.is_closed()
     }
 
     /// Queues a request; its tokens and its result arrive on the returned receiver. Dropping the
@@ -165,14 +183,14 @@ fn run(
         if scheduler.is_idle() {
             // Nothing to do: sleep until a request arrives (or every sender is gone).
             match queue.blocking_recv() {
-                Some(submission) => admit(&mut scheduler, &mut clients, submission),
+                Some(submission) => admit(&mut scheduler, &mut clients, submission, stats),
                 None => return,
             }
         }
         // Admit what arrived during the last step, while there is room in the batch.
         while scheduler.num_running() + scheduler.num_waiting() < max_batch {
             match queue.try_recv() {
-                Ok(submission) => admit(&mut scheduler, &mut clients, submission),
+                Ok(submission) => admit(&mut scheduler, &mut clients, submission, stats),
                 Err(_) => break,
             }
         }
@@ -234,9 +252,11 @@ fn admit(
     scheduler: &mut crate::engine::Scheduler<'_>,
     clients: &mut HashMap<RequestId, mpsc::UnboundedSender<BatchEvent>>,
     submission: Submission,
+    stats: &BatcherStats,
 ) {
     match scheduler.add(submission.request) {
         Ok(id) => {
+            stats.requests.fetch_add(1, Ordering::Relaxed);
             clients.insert(id, submission.events);
         }
         Err(error) => {

@@ -54,7 +54,11 @@ pub async fn chat_completions(
     let span = telemetry::start_chat(&request, SpanKind::Server);
     let answer = async {
         let (prepared, generation) = prepare(&state, &request)?;
-        let events = state.batcher.submit(generation)?;
+        let events = state
+            .replicas
+            .route(&generation)?
+            .batcher
+            .submit(generation)?;
         if request.stream == Some(true) {
             return Ok(stream(state.clone(), prepared, events, span.clone()).into_response());
         }

@@ -116,6 +116,16 @@ impl ApiError {
         }
     }
 
+    /// The service cannot take the request now (no inference replica running).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            code: Some("unavailable"),
+            ..Self::bad_request(message)
+        }
+    }
+
     pub fn not_found(message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::NOT_FOUND,

@@ -9,6 +9,7 @@ mod jobs;
 mod logging;
 mod preview;
 mod registry;
+mod replicas;
 mod state;
 mod training;
 
@@ -28,11 +29,12 @@ use serde_json::{json, Value};
 use subtle::ConstantTimeEq;
 use tracing::Instrument as _;
 
-use crate::engine::{Engine, LoadOptions, ModelSource};
+use crate::engine::{Device, Engine, LoadOptions, ModelSource};
 
 pub use crate::types::{ModelInfo, RegisterRequest};
 pub use batcher::{BatchEvent, Batcher, SchedulerLimits};
 pub use error::ApiError;
+pub use replicas::{Replica, Replicas};
 pub use state::{AppState, Shared};
 
 /// The largest request body accepted (axum's default of 2 MB is too small for training batches).
@@ -72,7 +74,12 @@ pub struct ServeOptions {
     /// Prompt tokens prefilled in one step; a longer prompt arriving while others decode is
     /// prefilled in chunks of it. `None`: the scheduler's default (4,096).
     pub max_prefill_tokens: Option<usize>,
+    /// The model loaded and trained on `load.device`.
     pub load: LoadOptions,
+    /// More inference replicas: the model loaded again on each of these devices, each copy
+    /// with its own scheduler and caches, behind the same endpoint (requests routed by prompt
+    /// and load; trained adapters copied to each).
+    pub extra_replicas: Vec<Device>,
 }
 
 impl Default for ServeOptions {
@@ -93,6 +100,7 @@ impl Default for ServeOptions {
             kv_cache_mib: None,
             max_prefill_tokens: None,
             load: LoadOptions::default(),
+            extra_replicas: Vec::new(),
         }
     }
 }
@@ -107,23 +115,7 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
             options.host
         );
     }
-    let engine = Arc::new(Engine::load(
-        &ModelSource::parse(&options.model),
-        &options.load,
-    )?);
-    if options.quantized {
-        engine.set_use_quantized(true);
-        if !engine.use_quantized() {
-            anyhow::bail!(
-                "--quantized needs a GGUF model with quantized weights, and `{}` has none",
-                options.model
-            );
-        }
-        tracing::info!(
-            kernels = crate::engine::quantized_kernels(),
-            "sampling with the quantized weights"
-        );
-    }
+    let engine = load_engine(options, &options.load.device)?;
     // The trainer renders conversations with the same template (one builder for both).
     let template = engine
         .compiled_chat_template()
@@ -132,17 +124,25 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| engine.name().to_string());
+    let limits = SchedulerLimits {
+        prefix_cache_bytes: options.prefix_cache_mib.map(|mib| mib << 20),
+        kv_cache_bytes: options.kv_cache_mib.map(|mib| mib << 20),
+        max_prefill_tokens: options.max_prefill_tokens,
+    };
+    let replica = |engine: Arc<Engine>| {
+        let batcher = Batcher::start(engine.clone(), options.max_batch, options.max_queue, limits);
+        Replica::new(device_name(engine.device()), engine, batcher)
+    };
+    let mut replicas = vec![replica(engine.clone())];
+    for device in &options.extra_replicas {
+        replicas.push(replica(load_engine(options, device)?));
+    }
+    if replicas.len() > 1 {
+        let devices: Vec<&str> = replicas.iter().map(|r| r.device.as_str()).collect();
+        tracing::info!(devices = %devices.join(","), "inference replicas");
+    }
     Ok(AppState::new(Shared {
-        batcher: Batcher::start(
-            engine.clone(),
-            options.max_batch,
-            options.max_queue,
-            SchedulerLimits {
-                prefix_cache_bytes: options.prefix_cache_mib.map(|mib| mib << 20),
-                kv_cache_bytes: options.kv_cache_mib.map(|mib| mib << 20),
-                max_prefill_tokens: options.max_prefill_tokens,
-            },
-        ),
+        replicas: Replicas::new(replicas),
         engine,
         template,
         // The path it was loaded from, its hub id when it came from the hub cache, and --alias.
@@ -159,6 +159,39 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
         registry: Default::default(),
         jobs: jobs::Jobs::new(&options.art_dir),
     }))
+}
+
+/// The model of `options` loaded on `device`, set to sample with its quantized weights when
+/// asked.
+fn load_engine(options: &ServeOptions, device: &Device) -> anyhow::Result<Arc<Engine>> {
+    let load = LoadOptions {
+        device: device.clone(),
+        ..options.load.clone()
+    };
+    let engine = Arc::new(Engine::load(&ModelSource::parse(&options.model), &load)?);
+    if options.quantized {
+        engine.set_use_quantized(true);
+        if !engine.use_quantized() {
+            anyhow::bail!(
+                "--quantized needs a GGUF model with quantized weights, and `{}` has none",
+                options.model
+            );
+        }
+        tracing::info!(
+            kernels = crate::engine::quantized_kernels(),
+            "sampling with the quantized weights"
+        );
+    }
+    Ok(engine)
+}
+
+/// A device as the command line names it: `cpu`, `cuda:N`.
+fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
 }
 
 /// The HTTP routes. `/health` is open; everything under `/v1` needs the API key when one is set.
@@ -304,11 +337,15 @@ async fn require_api_key(
     Ok(next.run(request).await)
 }
 
+/// The server's state: `ok`, `degraded` when some inference replica has stopped (the others
+/// serve), `unavailable` when none runs; the batch summed over the replicas, and each one's.
 async fn health(State(state): State<AppState>) -> Json<Value> {
+    let health = state.replicas.health();
     Json(json!({
-        "status": "ok",
+        "status": health.status,
         "model": state.base_model,
-        "batch": state.batcher.stats().to_json(),
+        "batch": health.batch,
+        "replicas": health.replicas,
     }))
 }
 

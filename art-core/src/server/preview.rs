@@ -22,7 +22,7 @@ use super::error::{ApiError, ApiJson};
 use super::jobs::{object, Job};
 use super::registry::RegisteredModel;
 use super::state::AppState;
-use super::training::{check_sft_request, run_sft, run_step, sft_span, step_span};
+use super::training::{check_sft_request, mirror_adapters, run_sft, run_step, sft_span, step_span};
 
 /// The entity a model gets when the client names none (W&B would use the user's default team).
 const DEFAULT_ENTITY: &str = "local";
@@ -265,6 +265,7 @@ pub async fn create_training_job(
         });
         match outcome {
             Ok(result) => {
+                mirror_adapters(&state);
                 let metrics = result
                     .metrics
                     .history_metrics()
@@ -326,6 +327,9 @@ pub async fn create_sft_training_job(
                 SftEvent::Result(_) | SftEvent::Error { .. } => {}
             },
         );
+        if outcome.is_ok() {
+            mirror_adapters(&state);
+        }
         end_job(&job, outcome.map(|result| result.step));
     });
     Ok(ApiJson(TrainingJob { id }))

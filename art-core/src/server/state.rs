@@ -1,4 +1,5 @@
-//! What every handler shares: the engine, its chat template, the batcher, and the served names.
+//! What every handler shares: the engine, its chat template, the inference replicas, and the
+//! served names.
 
 use std::ops::Deref;
 use std::path::PathBuf;
@@ -7,10 +8,10 @@ use std::sync::{Arc, Mutex};
 use crate::engine::chat_template::ChatTemplate;
 use crate::engine::Engine;
 
-use super::batcher::Batcher;
 use super::error::ApiError;
 use super::jobs::Jobs;
 use super::registry::{RegisteredModel, Registry};
+use super::replicas::Replicas;
 
 /// How ART's ServerlessBackend names trained models for inference.
 const ARTIFACT_SCHEME: &str = "wandb-artifact:///";
@@ -19,9 +20,11 @@ const ARTIFACT_SCHEME: &str = "wandb-artifact:///";
 pub struct AppState(Arc<Shared>);
 
 pub struct Shared {
+    /// The trainer's engine (the first replica's): adapters are trained and registered here.
     pub engine: Arc<Engine>,
     pub template: Option<ChatTemplate>,
-    pub batcher: Batcher,
+    /// The model once per device, each with its batching thread; the first is `engine`.
+    pub replicas: Replicas,
     /// The name the base model is served under.
     pub base_model: String,
     /// Other names that mean the base model (e.g. the path it was loaded from).

@@ -52,6 +52,7 @@ pub async fn train(
                 span,
                 |p| emit(TrainEvent::Progress(p)),
             )
+            .inspect(|_| mirror_adapters(&state))
             .map(|result| TrainEvent::Result(Box::new(result)))
         },
         |message| TrainEvent::Error { message },
@@ -72,11 +73,21 @@ pub async fn train_sft(
     ndjson_events(
         move |emit| {
             run_sft(&model, &request.trajectories, &request.config, span, emit)
+                .inspect(|_| mirror_adapters(&state))
                 .map(|result| SftEvent::Result(Box::new(result)))
         },
         |message| SftEvent::Error { message },
     )
     .await
+}
+
+/// Puts the adapters a training call just registered on every inference replica, before the
+/// call's answer names them. A copy that fails is retried when a request for the adapter is
+/// routed to that replica.
+pub(super) fn mirror_adapters(state: &AppState) {
+    if let Err(e) = state.replicas.mirror_all() {
+        tracing::warn!(error = %e, "could not copy the new adapters to every replica");
+    }
 }
 
 /// What can be said about an SFT request before it queues for the trainer.
