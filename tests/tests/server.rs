@@ -608,6 +608,16 @@ async fn a_small_kv_cache_budget_preempts_instead_of_failing() {
     assert!(message.contains("key/value cache"), "{message}");
 }
 
+/// `count` requests, each with a prompt of its own, one after another; each must succeed.
+async fn ask_questions(server: &TestServer, count: usize) {
+    for k in 0..count {
+        let body = json!({"model": "tiny", "max_tokens": 2,
+            "messages": [{"role": "user", "content": format!("Question {k}")}]});
+        let (status, answer) = post(server, body).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+}
+
 /// `--devices cpu,cpu`: two inference replicas behind one endpoint. A group's requests (one
 /// prompt) all go to one replica, several prompts reach both, and /health lists each replica
 /// with its batch and adds them up. ~1 s.
@@ -636,12 +646,7 @@ async fn two_replicas_share_the_requests_by_prompt() {
     assert_eq!(counts, vec![0, 8], "one prompt, one replica: {after_group}");
     assert_eq!(after_group["batch"]["requests"], 8, "{after_group}");
 
-    for k in 0..16 {
-        let body = json!({"model": "tiny", "max_tokens": 2,
-            "messages": [{"role": "user", "content": format!("Question {k}")}]});
-        let (status, answer) = post(&server, body).await;
-        assert_eq!(status, 200, "{answer}");
-    }
+    ask_questions(&server, 16).await;
     let after = health(&server).await;
     let counts = requests(&after);
     assert!(
@@ -652,4 +657,24 @@ async fn two_replicas_share_the_requests_by_prompt() {
         "different prompts reach both replicas: {after}"
     );
     assert_eq!(after["batch"]["requests"], 24, "{after}");
+}
+
+/// A dedicated training device (`--train-devices` apart from `--inference-devices`): every
+/// request goes to the inference replica, none to the trainer's copy, and /health gives each its
+/// role. ~0.5 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_training_only_device_gets_no_requests() {
+    let server = TestServer::tiny(|o| {
+        o.extra_replicas = vec![art_core::engine::Device::Cpu];
+        o.serve_on_train_device = false;
+    })
+    .await;
+    ask_questions(&server, 6).await;
+    let health = health(&server).await;
+    assert_eq!(health["status"], "ok", "{health}");
+    let replicas = health["replicas"].as_array().unwrap();
+    assert_eq!(replicas[0]["role"], "train", "{health}");
+    assert_eq!(replicas[0]["batch"]["requests"], 0, "{health}");
+    assert_eq!(replicas[1]["role"], "inference", "{health}");
+    assert_eq!(replicas[1]["batch"]["requests"], 6, "{health}");
 }

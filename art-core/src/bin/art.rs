@@ -51,8 +51,17 @@ struct ServeArgs {
     /// replica (a group's rollouts share one prefix cache) unless that one is much busier than
     /// another. The first device trains, and each trained adapter is copied to the others
     /// before the training call answers. Replaces --device.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["train_devices", "inference_devices"])]
     devices: Option<String>,
+    /// A device that trains (one for now: training spread over several devices is not built).
+    /// With --inference-devices: training on its own device while the others sample, unless
+    /// it is also listed there. Default: the first inference device.
+    #[arg(long)]
+    train_devices: Option<String>,
+    /// The inference replicas (as --devices) when training has a device of its own
+    /// (--train-devices). Default: the training device.
+    #[arg(long)]
+    inference_devices: Option<String>,
     /// Sample with the GGUF file's quantized weights (llama.cpp's arithmetic: faster decoding on
     /// CPU, logits within a few percent of the dense ones). Training always uses the dense
     /// weights, so the trainer's probabilities then differ slightly from the sampler's.
@@ -113,8 +122,58 @@ fn device(name: &str) -> anyhow::Result<art_core::engine::Device> {
     }
 }
 
-/// The devices `--devices` names: a comma-separated list of `device` names, or `all`.
-fn replica_devices(list: &str) -> anyhow::Result<Vec<art_core::engine::Device>> {
+/// Which device trains and which serve, from --device, --devices, or --train-devices and
+/// --inference-devices.
+struct DeviceRoles {
+    train: art_core::engine::Device,
+    train_serves: bool,
+    /// Inference replicas besides the training device's.
+    extra_inference: Vec<art_core::engine::Device>,
+}
+
+fn device_roles(args: &ServeArgs) -> anyhow::Result<DeviceRoles> {
+    let names = |list: Option<&str>| list.map(device_names).transpose();
+    let train = names(args.train_devices.as_deref())?;
+    let inference = names(
+        args.inference_devices
+            .as_deref()
+            .or(args.devices.as_deref()),
+    )?;
+    if train.as_ref().is_some_and(|t| t.len() > 1) {
+        anyhow::bail!(
+            "--train-devices: training on several devices (data-parallel) is not built yet; \
+             name one device"
+        );
+    }
+    let (train, inference) = match (train, inference) {
+        (None, None) => (args.device.clone(), vec![args.device.clone()]),
+        (None, Some(inference)) => (inference[0].clone(), inference),
+        (Some(train), None) => (train[0].clone(), train),
+        (Some(train), Some(inference)) => (train[0].clone(), inference),
+    };
+    // The training device's copy serves when it is listed for inference (once: `cpu,cpu` is two
+    // copies).
+    let mut extra = inference;
+    let train_serves = match extra.iter().position(|d| *d == train) {
+        Some(at) => {
+            extra.remove(at);
+            true
+        }
+        None => false,
+    };
+    Ok(DeviceRoles {
+        train: device(&train)?,
+        train_serves,
+        extra_inference: extra
+            .iter()
+            .map(|name| device(name))
+            .collect::<anyhow::Result<_>>()?,
+    })
+}
+
+/// The device names a --devices-style list gives: comma-separated names (`cuda` is
+/// `cuda:0`), or `all` (every CUDA device).
+fn device_names(list: &str) -> anyhow::Result<Vec<String>> {
     let names: Vec<String> = match list.trim() {
         "all" => {
             let count = art_core::engine::cuda_device_count()?;
@@ -123,12 +182,18 @@ fn replica_devices(list: &str) -> anyhow::Result<Vec<art_core::engine::Device>> 
             }
             (0..count).map(|i| format!("cuda:{i}")).collect()
         }
-        list => list.split(',').map(|s| s.trim().to_string()).collect(),
+        list => list
+            .split(',')
+            .map(|s| match s.trim() {
+                "cuda" => "cuda:0".to_string(),
+                name => name.to_string(),
+            })
+            .collect(),
     };
     if names.iter().any(String::is_empty) {
-        anyhow::bail!("--devices `{list}`: an empty device name (use e.g. cuda:0,cuda:1)");
+        anyhow::bail!("devices `{list}`: an empty device name (use e.g. cuda:0,cuda:1)");
     }
-    names.iter().map(|name| device(name)).collect()
+    Ok(names)
 }
 
 /// Reads standard input to its end on a thread of its own, then exits the process.
@@ -175,13 +240,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if !changed.is_empty() {
                 tracing::info!(switches = %changed.join(" "), "engine switches changed");
             }
-            let mut devices = match args.devices.as_deref() {
-                None => vec![device(&args.device)?],
-                Some(list) => replica_devices(list)?,
-            };
-            let extra_replicas = devices.split_off(1);
+            let roles = device_roles(&args)?;
             let load = art_core::engine::LoadOptions {
-                device: devices.remove(0),
+                device: roles.train,
                 ..Default::default()
             };
             serve(ServeOptions {
@@ -200,7 +261,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 kv_cache_mib: args.kv_cache_mib,
                 max_prefill_tokens: args.max_prefill_tokens,
                 load,
-                extra_replicas,
+                extra_replicas: roles.extra_inference,
+                serve_on_train_device: roles.train_serves,
             })
             .await
         }

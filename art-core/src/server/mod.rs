@@ -80,6 +80,9 @@ pub struct ServeOptions {
     /// with its own scheduler and caches, behind the same endpoint (requests routed by prompt
     /// and load; trained adapters copied to each).
     pub extra_replicas: Vec<Device>,
+    /// Whether `load.device`'s copy serves requests too; off, it only trains (a dedicated
+    /// training device beside `extra_replicas`, which must then not be empty).
+    pub serve_on_train_device: bool,
 }
 
 impl Default for ServeOptions {
@@ -101,6 +104,7 @@ impl Default for ServeOptions {
             max_prefill_tokens: None,
             load: LoadOptions::default(),
             extra_replicas: Vec::new(),
+            serve_on_train_device: true,
         }
     }
 }
@@ -114,6 +118,9 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
             "refusing to listen on {} without an API key: pass --api-key (clients send it as a bearer token)",
             options.host
         );
+    }
+    if !options.serve_on_train_device && options.extra_replicas.is_empty() {
+        anyhow::bail!("the training device does not serve, and no other device does");
     }
     let engine = load_engine(options, &options.load.device)?;
     // The trainer renders conversations with the same template (one builder for both).
@@ -129,13 +136,13 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
         kv_cache_bytes: options.kv_cache_mib.map(|mib| mib << 20),
         max_prefill_tokens: options.max_prefill_tokens,
     };
-    let replica = |engine: Arc<Engine>| {
+    let replica = |engine: Arc<Engine>, serves: bool| {
         let batcher = Batcher::start(engine.clone(), options.max_batch, options.max_queue, limits);
-        Replica::new(device_name(engine.device()), engine, batcher)
+        Replica::new(device_name(engine.device()), engine, batcher, serves)
     };
-    let mut replicas = vec![replica(engine.clone())];
+    let mut replicas = vec![replica(engine.clone(), options.serve_on_train_device)];
     for device in &options.extra_replicas {
-        replicas.push(replica(load_engine(options, device)?));
+        replicas.push(replica(load_engine(options, device)?, true));
     }
     if replicas.len() > 1 {
         let devices: Vec<&str> = replicas.iter().map(|r| r.device.as_str()).collect();

@@ -3,7 +3,9 @@
 //! hashes to, so that the rollouts of a group (one prompt, many requests) share one prefix cache,
 //! unless that replica is busier than the least busy by more than a batch's worth; a replica
 //! whose batching thread has stopped gets nothing. The first replica is the trainer's: LoRA
-//! adapters are trained and registered there, and every other replica mirrors its adapters.
+//! adapters are trained and registered there, and every other replica mirrors its adapters. The
+//! trainer's replica may be kept out of serving (a dedicated training device), so that sampling
+//! on the others goes on while it trains.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -27,19 +29,27 @@ pub struct Replica {
     pub device: String,
     pub engine: Arc<Engine>,
     pub batcher: Batcher,
+    /// Whether requests are routed here (the trainer's replica may only train).
+    pub serves: bool,
     /// The primary's adapter each mirrored name was copied from (its address: a name such as a
     /// model's latest step is set to a new adapter every step).
     mirrored: Mutex<HashMap<String, usize>>,
 }
 
 impl Replica {
-    pub fn new(device: String, engine: Arc<Engine>, batcher: Batcher) -> Self {
+    pub fn new(device: String, engine: Arc<Engine>, batcher: Batcher, serves: bool) -> Self {
         Replica {
             device,
             engine,
             batcher,
+            serves,
             mirrored: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Whether requests can be routed here now.
+    fn takes_requests(&self) -> bool {
+        self.serves && self.batcher.is_running()
     }
 
     /// Sequences running or queued here, requests not yet admitted included.
@@ -55,7 +65,10 @@ pub struct Replicas {
 
 impl Replicas {
     pub fn new(all: Vec<Replica>) -> Self {
-        assert!(!all.is_empty(), "at least the trainer's replica");
+        assert!(
+            all.iter().any(|r| r.serves),
+            "at least one replica serves requests"
+        );
         Replicas { all }
     }
 
@@ -69,16 +82,21 @@ impl Replicas {
     /// stopped. The replica has the request's adapter when this returns. A 503 when no replica
     /// runs.
     pub fn route(&self, request: &GenerationRequest) -> Result<&Replica, ApiError> {
-        let running: Vec<&Replica> = self.all.iter().filter(|r| r.batcher.is_running()).collect();
-        let Some(least) = running.iter().min_by_key(|r| r.load()) else {
+        let Some(least) = self
+            .all
+            .iter()
+            .filter(|r| r.takes_requests())
+            .min_by_key(|r| r.load())
+        else {
             return Err(ApiError::unavailable(
                 "no inference replica is running (see /health)",
             ));
         };
+        let serving: Vec<&Replica> = self.all.iter().filter(|r| r.serves).collect();
         let mut hasher = DefaultHasher::new();
         (&request.adapter, &request.prompt).hash(&mut hasher);
-        let own = &self.all[(hasher.finish() % self.all.len() as u64) as usize];
-        let replica = if own.batcher.is_running() && own.load() <= least.load() + AFFINITY_SLACK {
+        let own = serving[(hasher.finish() % serving.len() as u64) as usize];
+        let replica = if own.takes_requests() && own.load() <= least.load() + AFFINITY_SLACK {
             own
         } else {
             least
@@ -129,7 +147,8 @@ impl Replicas {
 
     /// What `/health` says of the replicas.
     pub fn health(&self) -> Health {
-        let running = self.all.iter().filter(|r| r.batcher.is_running()).count();
+        let serving = self.all.iter().filter(|r| r.serves).count();
+        let running = self.all.iter().filter(|r| r.takes_requests()).count();
         let batches: Vec<Value> = self
             .all
             .iter()
@@ -138,7 +157,7 @@ impl Replicas {
         Health {
             status: match running {
                 0 => "unavailable",
-                n if n < self.all.len() => "degraded",
+                n if n < serving => "degraded",
                 _ => "ok",
             },
             batch: summed(&batches),
@@ -146,9 +165,16 @@ impl Replicas {
                 .all
                 .iter()
                 .zip(batches)
-                .map(|(r, batch)| {
+                .enumerate()
+                .map(|(i, (r, batch))| {
+                    let role = match (i == 0, r.serves) {
+                        (true, true) => "train+inference",
+                        (true, false) => "train",
+                        _ => "inference",
+                    };
                     json!({
                         "device": r.device,
+                        "role": role,
                         "status": if r.batcher.is_running() { "ok" } else { "stopped" },
                         "batch": batch,
                     })
@@ -164,7 +190,8 @@ pub struct Health {
     pub status: &'static str,
     /// Every replica's batch figures added up.
     pub batch: Value,
-    /// Each replica's device, status (`ok` or `stopped`) and batch.
+    /// Each replica's device, role (`train+inference`, `train`, `inference`), status (`ok` or
+    /// `stopped`) and batch.
     pub replicas: Vec<Value>,
 }
 
@@ -202,7 +229,7 @@ mod tests {
 
     fn replica(engine: &Arc<Engine>) -> Replica {
         let batcher = Batcher::start(engine.clone(), 8, 8, SchedulerLimits::default());
-        Replica::new("cpu".into(), engine.clone(), batcher)
+        Replica::new("cpu".into(), engine.clone(), batcher, true)
     }
 
     /// An adapter whose `B`s are not zero (so that it changes the model's output).
