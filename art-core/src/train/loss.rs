@@ -358,10 +358,13 @@ pub fn micro_batch_loss(
         }
         LayerMemory::WholeGraph => (model.forward_hidden(&input, packing, fwd)?, None),
     };
-    let kept_layers = recompute.as_ref().map(|(_, inputs)| KeptLayers {
-        kept: inputs.kept_layers().0,
-        layers: inputs.kept_layers().1,
-        layer_bytes: inputs.layer_bytes(),
+    let kept_layers = recompute.as_ref().map(|(_, inputs)| {
+        let (kept, layers) = inputs.kept_layers();
+        KeptLayers {
+            kept,
+            layers,
+            layer_bytes: inputs.layer_bytes(),
+        }
     });
     let hidden = select(hidden)?;
     let (new_lp, entropy, head) = target_logprobs(model, &hidden, fwd, &targets, &target_ids)?;

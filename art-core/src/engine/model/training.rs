@@ -69,9 +69,8 @@ impl Model {
                 measure || i >= keep_from,
             )?;
             if measure {
-                let bytes = act.as_ref().map_or(0, backward::Activations::bytes);
-                layer_bytes = bytes;
-                keep_from = num_layers - (keep_bytes / bytes.max(1)).min(num_layers);
+                layer_bytes = act.as_ref().map_or(0, backward::Activations::bytes);
+                keep_from = num_layers - (keep_bytes / layer_bytes.max(1)).min(num_layers);
             }
             kept.push(act.filter(|_| i >= keep_from));
             x = out;
