@@ -14,6 +14,8 @@
 //! gpu_bench packed --shapes qwen2.5-1.5b   # 64 sequences of 64-1024 tokens, packed or not
 //! gpu_bench parity
 //! gpu_bench profile --shapes qwen2.5-0.5b   # where a training step's time goes
+//! gpu_bench dp --devices cuda:0,cuda:1 --shapes qwen2.5-1.5b   # data-parallel training: 1 vs N
+//! gpu_bench nccl --devices cuda:0,cuda:1   # NCCL's all-reduce: exact sums, bus bandwidth
 //! ```
 //!
 //! Decode: each batch size runs `batch` requests of `--prompt` random token ids, sampling
@@ -43,8 +45,8 @@ use art_core::engine::{
     SamplingParams, Tensor,
 };
 use art_core::train::{
-    micro_batch_loss, one_per_row, plan_micro_batches, AdamW, AdamWParams, Normalization,
-    SequenceSource, TrainSequence,
+    micro_batch_loss, one_per_row, plan_micro_batches, AdamW, AdamWParams, DataParallel,
+    Normalization, SequenceSource, TrainSequence,
 };
 use art_core::types::{LoraConfig, TrainConfig};
 
@@ -90,6 +92,8 @@ struct Args {
     count: usize,
     lengths: (usize, usize),
     micro_batch_tokens: usize,
+    /// `dp` and `nccl`: `--devices cuda:0,cuda:1` (default: `--device` alone).
+    devices: Vec<String>,
 }
 
 fn parse_args() -> Args {
@@ -118,6 +122,7 @@ fn parse_args() -> Args {
         count: 64,
         lengths: (64, 1024),
         micro_batch_tokens: TrainConfig::default().micro_batch_tokens,
+        devices: Vec::new(),
     };
     let list = |s: String| -> Vec<String> { s.split(',').map(String::from).collect() };
     let mut it = it.peekable();
@@ -132,6 +137,7 @@ fn parse_args() -> Args {
         let mut value = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
             "--device" => args.device = value(),
+            "--devices" => args.devices = list(value()),
             "--shapes" => args.shapes = list(value()),
             "--batches" => {
                 args.batches = list(value())
@@ -181,9 +187,14 @@ fn parse_args() -> Args {
 fn open_device(name: &str) -> Device {
     match name {
         "cpu" => Device::Cpu,
-        "cuda" => art_core::engine::cuda_device(0)
-            .unwrap_or_else(|e| panic!("no CUDA device (build with --features cuda): {e}")),
-        other => panic!("--device cpu|cuda, not {other}"),
+        "cuda" => open_device("cuda:0"),
+        cuda if cuda.starts_with("cuda:") => {
+            let ordinal = cuda[5..].parse().expect("cuda:N");
+            art_core::engine::cuda_device(ordinal).unwrap_or_else(|e| {
+                panic!("no CUDA device {cuda} (build with --features cuda): {e}")
+            })
+        }
+        other => panic!("--device cpu|cuda|cuda:N, not {other}"),
     }
 }
 
@@ -1278,7 +1289,10 @@ fn parity(device: &Device) {
 
 fn main() {
     // SAFETY: first thing in main: no other thread exists yet.
-    unsafe { art_core::engine::process::set_cpu_thread_defaults() };
+    unsafe {
+        art_core::engine::process::set_cpu_thread_defaults();
+        art_core::engine::process::set_nccl_defaults();
+    }
     art_core::engine::process::tune_allocator();
     let args = parse_args();
     let device = open_device(&args.device);
@@ -1289,15 +1303,198 @@ fn main() {
         "profile" => profile(&args, &device),
         "grpo" => grpo(&args, &device),
         "packed" => packed(&args, &device),
+        "dp" => data_parallel(&args, &device),
+        #[cfg(feature = "nccl")]
+        "nccl" => nccl(&args, &device),
         "all" => {
             parity(&device);
             decode(&args, &device);
             train(&args, &device);
         }
         other => {
-            panic!("unknown command {other}: decode, grpo, train, packed, profile, parity or all")
+            panic!("unknown command {other}: decode, grpo, train, packed, profile, parity, dp, nccl or all")
         }
     }
+}
+
+/// The devices of `dp` and `nccl`: `--devices`, or `device` alone.
+fn device_list(args: &Args, device: &Device) -> Vec<Device> {
+    match args.devices.is_empty() {
+        true => vec![device.clone()],
+        false => args.devices.iter().map(|d| open_device(d)).collect(),
+    }
+}
+
+/// A fingerprint of an adapter's weights (FNV-1a over their f32 bits) and their sum.
+fn checksum(adapter: &LoraAdapter) -> (u64, f64) {
+    let (mut hash, mut sum) = (0xcbf2_9ce4_8422_2325u64, 0.0);
+    for (_, var) in adapter.named_vars() {
+        let values: Vec<f32> = var
+            .as_tensor()
+            .to_dtype(DType::F32)
+            .and_then(|t| t.flatten_all()?.to_vec1())
+            .expect("adapter weights");
+        for v in values {
+            hash = (hash ^ u64::from(v.to_bits())).wrapping_mul(0x100_0000_01b3);
+            sum += f64::from(v);
+        }
+    }
+    (hash, sum)
+}
+
+/// Data-parallel LoRA training: the same steps (`--batch` x `--seq` tokens per device and
+/// micro-batch, one micro-batch per device) on the first device alone and on all of `--devices`
+/// (each a share of the micro-batches, the gradients all-reduced), tokens/s of each and their
+/// ratio, the first step's loss on both, and every rank's adapter checksum after the steps.
+fn data_parallel(args: &Args, device: &Device) {
+    let devices = device_list(args, device);
+    let world = devices.len();
+    for shape in &args.shapes {
+        let spec = spec(shape);
+        let dtype = if devices[0].is_cpu() {
+            DType::F32
+        } else {
+            DType::BF16
+        };
+        // One draw of the weights, copied to every device: the ranks hold the same model.
+        let weights = spec
+            .weights_on_device(0, &devices[0], dtype)
+            .expect("random weights");
+        let engines: Vec<std::sync::Arc<Engine>> = devices
+            .iter()
+            .map(|d| {
+                let copy = weights
+                    .iter()
+                    .map(|(k, t)| (k.clone(), t.to_device(d).expect("copy weights")))
+                    .collect();
+                std::sync::Arc::new(Engine::from_loaded(
+                    spec.load(copy, d, dtype).expect("model"),
+                ))
+            })
+            .collect();
+        drop(weights);
+        let model = engines[0].config().clone();
+        let config = TrainConfig {
+            learning_rate: 1e-5,
+            micro_batch_tokens: args.train_batch * args.seq,
+            gradient_checkpointing: args.checkpointing,
+            ..Default::default()
+        };
+        let seqs = sequences(
+            args.train_batch * world,
+            args.seq,
+            model.vocab_size,
+            None,
+            None,
+        );
+        let normalization = Normalization::for_step(&seqs, &config);
+        let micro_batches = plan_micro_batches(&seqs, &config, &devices[0]);
+        let tokens = (seqs.len() * args.seq) as f64;
+        let fresh = || {
+            let adapter =
+                LoraAdapter::new(&model, &LoraConfig::default(), &devices[0], 0).expect("adapter");
+            let optimizer = AdamW::new(adapter.named_vars(), AdamWParams::default()).unwrap();
+            DataParallel::new(engines[0].clone(), adapter, optimizer)
+        };
+        // Tokens/s over `--iters` steps after a warm-up, and the first step's loss.
+        let run = |ranks: &mut DataParallel| -> (f64, f64) {
+            let (mut first_loss, mut seconds) = (f64::NAN, 0.0);
+            for iter in 0..=args.iters {
+                let u = ranks
+                    .update(
+                        &seqs,
+                        &micro_batches,
+                        normalization,
+                        &config,
+                        None,
+                        |_, _, _| {},
+                    )
+                    .expect("update");
+                if iter == 0 {
+                    first_loss = u.loss;
+                } else {
+                    seconds += u.compute_s;
+                }
+            }
+            (tokens * args.iters as f64 / seconds, first_loss)
+        };
+        let (one_rate, one_loss) = run(&mut fresh());
+        let mut all = fresh();
+        all.add_ranks(engines[1..].to_vec())
+            .expect("data-parallel ranks");
+        let (all_rate, all_loss) = run(&mut all);
+        let sums: Vec<(u64, f64)> = all.adapters().map(checksum).collect();
+        let identical = sums.iter().all(|s| s.0 == sums[0].0);
+        println!(
+            "DP {shape}: {} micro-batches of {} x {} tokens; 1 device {one_rate:.0} tok/s, {world} \
+             devices {all_rate:.0} tok/s = {:.2}x; first step's loss {one_loss:.6} vs \
+             {all_loss:.6} (difference {:.2e}); adapters after {} steps {} on every rank: {}",
+            micro_batches.len(),
+            args.train_batch,
+            args.seq,
+            all_rate / one_rate,
+            (one_loss - all_loss).abs(),
+            args.iters + 1,
+            if identical { "identical" } else { "DIFFERENT" },
+            sums.iter()
+                .map(|(h, s)| format!("{h:016x} (sum {s:.6})"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+}
+
+/// NCCL's all-reduce over `--devices` (a world of one on a single GPU): rank r's vector
+/// `(r + 1) * (i % 7)` must sum to the same on every rank, exactly; then the time of a 1 GiB f32
+/// all-reduce and its bus bandwidth (`2 (n - 1) / n` x bytes / time, NCCL's measure).
+#[cfg(feature = "nccl")]
+fn nccl(args: &Args, device: &Device) {
+    use art_core::train::nccl::Communicators;
+    let devices = device_list(args, device);
+    let world = devices.len();
+    let comms = Communicators::new(&devices).expect("NCCL communicators");
+    let n = 1 << 20;
+    let pattern = |d: &Device, scale: f64| -> Tensor {
+        let i: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+        (Tensor::from_vec(i, n, d).unwrap() * scale).unwrap()
+    };
+    let flats: Vec<Tensor> = devices
+        .iter()
+        .enumerate()
+        .map(|(r, d)| pattern(d, (r + 1) as f64))
+        .collect();
+    let expected: Vec<f32> = pattern(&Device::Cpu, (world * (world + 1) / 2) as f64)
+        .to_vec1()
+        .unwrap();
+    let sums = comms.all_reduce_sum(&flats).expect("all-reduce");
+    for (r, sum) in sums.iter().enumerate() {
+        let got: Vec<f32> = sum.to_device(&Device::Cpu).unwrap().to_vec1().unwrap();
+        let wrong = got.iter().zip(&expected).filter(|(a, b)| a != b).count();
+        println!("NCCL rank {r} of {world}: {wrong} of {n} sums wrong");
+    }
+    let big = 1 << 28;
+    let flats: Vec<Tensor> = devices
+        .iter()
+        .map(|d| Tensor::ones(big, DType::F32, d).unwrap())
+        .collect();
+    let sync = || devices.iter().for_each(|d| d.synchronize().unwrap());
+    comms.all_reduce_sum(&flats).expect("all-reduce");
+    sync();
+    let reps = 5;
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        comms.all_reduce_sum(&flats).expect("all-reduce");
+    }
+    sync();
+    let dt = t0.elapsed().as_secs_f64() / reps as f64;
+    let bytes = (big * 4) as f64;
+    println!(
+        "NCCL all-reduce of 1 GiB f32 over {world} device(s): {:.2} ms, algorithm bandwidth \
+         {:.0} GB/s, bus bandwidth {:.0} GB/s",
+        dt * 1e3,
+        bytes / dt / 1e9,
+        2.0 * (world - 1) as f64 / world as f64 * bytes / dt / 1e9
+    );
 }
 
 /// How far two runs of the same requests agree: tokens equal before each request's first

@@ -1602,6 +1602,116 @@ fn restart_resumes_from_the_last_checkpoint() {
     assert!(max_diff > 1e-4, "{max_diff}");
 }
 
+/// Data-parallel training over three CPU engines of the same model (each a copy of the adapter
+/// and optimizer, a share of the micro-batches, the gradient sums added up) takes the steps one
+/// engine takes: the same losses and weights, every rank's copy equal to the bit; a rank left
+/// without a micro-batch changes nothing; a trainer resumed over several engines copies the
+/// checkpoint's optimizer state to each. ~1 s.
+#[test]
+fn data_parallel_steps_equal_one_device_steps() {
+    let (_dir, engine) = tiny_engine(Architecture::Qwen2, None);
+    let (_dirs, others): (Vec<TempDir>, Vec<Arc<Engine>>) = (0..2)
+        .map(|_| tiny_engine(Architecture::Qwen2, None))
+        .unzip();
+    let (one_dir, dp_dir) = (temp_dir("dp-one"), temp_dir("dp-three"));
+    let mut one = Trainer::new(engine.clone(), one_dir.path().into(), "m", &lora(4)).unwrap();
+    let (_dir0, engine0) = tiny_engine(Architecture::Qwen2, None);
+    let mut dp = Trainer::new(engine0, dp_dir.path().into(), "m", &lora(4)).unwrap();
+    dp.add_training_devices(others.clone()).unwrap();
+    assert_eq!(dp.world_size(), 3);
+    let groups = |seed: u64| -> Vec<TrajectoryGroup> {
+        toy_prompts()
+            .iter()
+            .enumerate()
+            .map(|(k, messages)| {
+                let mut ts = rollouts(&engine, messages, Some("m"), 3, 6, seed + k as u64);
+                for (i, t) in ts.iter_mut().enumerate() {
+                    t.reward = i as f64;
+                }
+                TrajectoryGroup::new(ts)
+            })
+            .collect()
+    };
+    let max_diff = |a: &LoraAdapter, b: &LoraAdapter| -> f32 {
+        adapter_values(a)
+            .iter()
+            .zip(adapter_values(b))
+            .flat_map(|((_, x), (_, y))| {
+                x.iter()
+                    .zip(y)
+                    .map(|(p, q)| (p - q).abs())
+                    .collect::<Vec<_>>()
+            })
+            .fold(0.0, f32::max)
+    };
+    // Small micro-batches (several for three ranks), then one big one (two ranks idle).
+    for (step, micro_batch_tokens) in [(1, 48), (2, 48), (3, 1 << 16)] {
+        let config = TrainConfig {
+            learning_rate: 2e-2,
+            micro_batch_tokens,
+            ..Default::default()
+        };
+        let batch = groups(10 * step);
+        let (mut seen_one, mut seen_dp) = (Vec::new(), Vec::new());
+        let a = one
+            .train(&batch, &config, |p| seen_one.push(p.micro_batch))
+            .unwrap();
+        let b = dp
+            .train(&batch, &config, |p| seen_dp.push(p.micro_batch))
+            .unwrap();
+        let (a, b) = (a.metrics, b.metrics);
+        assert_eq!(a.num_micro_batches, b.num_micro_batches);
+        if step < 3 {
+            assert!(
+                a.num_micro_batches >= 4,
+                "{} micro-batches",
+                a.num_micro_batches
+            );
+        }
+        // Progress counts every micro-batch, whichever rank ran it.
+        assert_eq!(seen_dp.last(), seen_one.last());
+        for (what, x, y) in [
+            ("loss", a.loss, b.loss),
+            ("grad norm", a.grad_norm, b.grad_norm),
+            ("entropy", a.entropy, b.entropy),
+        ] {
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + x.abs()),
+                "step {step} {what}: {x} vs {y}"
+            );
+        }
+        assert_eq!(a.num_trainable_tokens, b.num_trainable_tokens);
+        let d = max_diff(one.adapter(), dp.adapter());
+        assert!(d < 1e-5, "step {step}: weights differ by {d}");
+        for copy in dp.rank_adapters().skip(1) {
+            assert_eq!(
+                adapter_values(copy),
+                adapter_values(dp.adapter()),
+                "step {step}"
+            );
+        }
+    }
+    // Resumed over three engines: the next step is still the single engine's.
+    drop(dp);
+    let (_dir0, engine0) = tiny_engine(Architecture::Qwen2, None);
+    let mut resumed = Trainer::new(engine0, dp_dir.path().into(), "m", &lora(4)).unwrap();
+    resumed.add_training_devices(others).unwrap();
+    assert_eq!(resumed.step(), 3);
+    let config = TrainConfig {
+        learning_rate: 2e-2,
+        micro_batch_tokens: 48,
+        ..Default::default()
+    };
+    let batch = groups(99);
+    one.train(&batch, &config, |_| {}).unwrap();
+    resumed.train(&batch, &config, |_| {}).unwrap();
+    let d = max_diff(one.adapter(), resumed.adapter());
+    assert!(d < 1e-5, "resumed: weights differ by {d}");
+    for copy in resumed.rank_adapters().skip(1) {
+        assert_eq!(adapter_values(copy), adapter_values(resumed.adapter()));
+    }
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for entry in std::fs::read_dir(from).unwrap() {

@@ -302,3 +302,32 @@ async fn a_local_server_exits_when_its_stdin_closes() {
         .unwrap();
     assert!(status.success(), "{status}");
 }
+
+/// Device lists that cannot work are refused when `art serve` starts, with what to do, before
+/// any model is loaded: an empty name, `all` without a CUDA device, an unknown device, training
+/// on the CPU and a GPU at once. ~0.1 s each.
+#[test]
+fn device_lists_that_cannot_work_are_refused_at_start() {
+    let dir = temp_dir("device-lists");
+    let model_dir = tiny_model(dir.path());
+    // (This crate builds `art` without CUDA.)
+    let cases: &[(&[&str], &str)] = &[
+        (&["--devices", "cpu,,cpu"], "an empty device name"),
+        (&["--devices", "tpu"], "unknown device `tpu`"),
+        (&["--devices", "all"], "no CUDA device"),
+        (&["--train-devices", "cpu,cuda:0"], "no CUDA support"),
+    ];
+    for &(args, expected) in cases {
+        let out = std::process::Command::new(art_e2e::art_binary())
+            .args(["serve", "--port", "0", "--model"])
+            .arg(&model_dir)
+            .arg("--art-dir")
+            .arg(dir.path().join(".art"))
+            .args(args)
+            .output()
+            .expect("art serve runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} started: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}

@@ -678,3 +678,102 @@ async fn a_training_only_device_gets_no_requests() {
     assert_eq!(replicas[1]["role"], "inference", "{health}");
     assert_eq!(replicas[1]["batch"]["requests"], 6, "{health}");
 }
+
+/// Training data-parallel over three CPU copies of the model (`--train-devices cpu,cpu,cpu
+/// --inference-devices cpu,cpu`): /health gives the two serving copies `train+inference` and the
+/// third `train`; a step runs its micro-batches over all three and the trainer's logprobs still
+/// equal the sampler's; the new `name@1` is then served by both inference replicas. ~1 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn training_spreads_over_devices_and_every_replica_serves_the_step() {
+    use art_core::engine::Device;
+    let server = TestServer::tiny(|o| {
+        o.extra_replicas = vec![Device::Cpu];
+        o.extra_train_devices = vec![Device::Cpu, Device::Cpu];
+    })
+    .await;
+    let roles = |health: &Value| -> Vec<String> {
+        health["replicas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["role"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let before = health(&server).await;
+    assert_eq!(
+        roles(&before),
+        ["train+inference", "train+inference", "train"],
+        "{before}"
+    );
+    let http = reqwest::Client::new();
+    let url = |path: &str| format!("{}{path}", server.base_url);
+    let registered = http
+        .post(url("/art/models"))
+        .json(&json!({"name": "dp", "project": "p"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(registered.status(), 200);
+    let mut groups = Vec::new();
+    for prompt in ["Say hi", "Count", "Name a color"] {
+        let messages = json!([{"role": "user", "content": prompt}]);
+        let mut trajectories = Vec::new();
+        for seed in 0..4 {
+            let (status, completion) = post(
+                &server,
+                json!({"model": "dp", "messages": messages, "logprobs": true, "max_tokens": 6,
+                       "seed": seed, "temperature": 1.0}),
+            )
+            .await;
+            assert_eq!(status, 200, "{completion}");
+            let mut conversation = messages.as_array().unwrap().clone();
+            conversation.push(completion["choices"][0].clone());
+            trajectories.push(json!({"messages_and_choices": conversation, "reward": seed}));
+        }
+        groups.push(json!({"trajectories": trajectories}));
+    }
+    let answer = http
+        .post(url("/art/models/dp/train"))
+        .json(&json!({"trajectory_groups": groups,
+                      "config": {"learning_rate": 1e-2, "micro_batch_tokens": 32}}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let result: Value = answer
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .find(|event| event["type"] == "result")
+        .unwrap_or_else(|| panic!("no result in {answer}"));
+    let metrics = &result["metrics"];
+    assert!(
+        metrics["num_micro_batches"].as_u64().unwrap() >= 3,
+        "{result}"
+    );
+    let diff = metrics["logprob_abs_diff"].as_f64().unwrap();
+    assert!(diff < 1e-4, "mean |sampler - trainer| logprob = {diff}");
+
+    let served = |health: &Value| -> Vec<u64> {
+        health["replicas"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["batch"]["requests"].as_u64().unwrap())
+            .collect()
+    };
+    let then = served(&health(&server).await);
+    for k in 0..12 {
+        let body = json!({"model": "dp@1", "max_tokens": 2,
+            "messages": [{"role": "user", "content": format!("Question {k}")}]});
+        let (status, answer) = post(&server, body).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    let now = served(&health(&server).await);
+    assert!(
+        now[0] > then[0] && now[1] > then[1],
+        "both replicas serve dp@1: {then:?} -> {now:?}"
+    );
+    assert_eq!(now[2], 0, "the training-only copy serves nothing");
+}

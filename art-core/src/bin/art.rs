@@ -45,21 +45,23 @@ struct ServeArgs {
     /// `cpu`, or `cuda` / `cuda:N` in a CUDA build.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Inference replicas, one per device: comma-separated (`cuda:0,cuda:1`; `cpu,cpu` for a
-    /// try without GPUs) or `all` (every CUDA device). The model is loaded on each, with its own
-    /// scheduler and key/value caches, behind this one endpoint; a request goes to its prompt's
-    /// replica (a group's rollouts share one prefix cache) unless that one is much busier than
-    /// another. The first device trains, and each trained adapter is copied to the others
-    /// before the training call answers. Replaces --device.
+    /// The devices to run on, comma-separated (`cuda:0,cuda:1`; `cpu,cpu` for a try without
+    /// GPUs) or `all` (every CUDA device): an inference replica on each (the model loaded on
+    /// each, with its own scheduler and key/value caches, behind this one endpoint; a request
+    /// goes to its prompt's replica, so that a group's rollouts share one prefix cache, unless
+    /// that one is much busier than another), and training data-parallel over all of them (each
+    /// device a share of every step's micro-batches, the gradients all-reduced with NCCL: a CUDA
+    /// build with the `nccl` feature). Each trained adapter is on every replica before the
+    /// training call answers. Replaces --device.
     #[arg(long, conflicts_with_all = ["train_devices", "inference_devices"])]
     devices: Option<String>,
-    /// A device that trains (one for now: training spread over several devices is not built).
-    /// With --inference-devices: training on its own device while the others sample, unless
-    /// it is also listed there. Default: the first inference device.
+    /// The devices that train (as --devices), data-parallel when there are several. With
+    /// --inference-devices: training on devices of their own while the others sample, unless
+    /// they are also listed there. Default: the first inference device.
     #[arg(long)]
     train_devices: Option<String>,
-    /// The inference replicas (as --devices) when training has a device of its own
-    /// (--train-devices). Default: the training device.
+    /// The inference replicas (as --devices) when training has devices of its own
+    /// (--train-devices). Default: the training devices.
     #[arg(long)]
     inference_devices: Option<String>,
     /// Sample with the GGUF file's quantized weights (llama.cpp's arithmetic: faster decoding on
@@ -111,6 +113,12 @@ fn device(name: &str) -> anyhow::Result<art_core::engine::Device> {
     match name {
         "cpu" => Ok(Device::Cpu),
         cuda if cuda.starts_with("cuda") => {
+            if !cfg!(feature = "cuda") {
+                anyhow::bail!(
+                    "device `{cuda}`: this build of art has no CUDA support (build it with \
+                     `--features server,cuda`)"
+                );
+            }
             let ordinal = cuda
                 .strip_prefix("cuda:")
                 .map(str::parse)
@@ -122,52 +130,47 @@ fn device(name: &str) -> anyhow::Result<art_core::engine::Device> {
     }
 }
 
-/// Which device trains and which serve, from --device, --devices, or --train-devices and
+/// Which devices train and which serve, from --device, --devices, or --train-devices and
 /// --inference-devices.
 struct DeviceRoles {
+    /// The first training device (where adapters are registered and checkpointed).
     train: art_core::engine::Device,
     train_serves: bool,
-    /// Inference replicas besides the training device's.
+    /// Inference replicas besides the first training device's.
     extra_inference: Vec<art_core::engine::Device>,
+    /// Devices that train data-parallel with the first.
+    extra_train: Vec<art_core::engine::Device>,
 }
 
 fn device_roles(args: &ServeArgs) -> anyhow::Result<DeviceRoles> {
     let names = |list: Option<&str>| list.map(device_names).transpose();
     let train = names(args.train_devices.as_deref())?;
-    let inference = names(
-        args.inference_devices
-            .as_deref()
-            .or(args.devices.as_deref()),
-    )?;
-    if train.as_ref().is_some_and(|t| t.len() > 1) {
-        anyhow::bail!(
-            "--train-devices: training on several devices (data-parallel) is not built yet; \
-             name one device"
-        );
-    }
-    let (train, inference) = match (train, inference) {
-        (None, None) => (args.device.clone(), vec![args.device.clone()]),
-        (None, Some(inference)) => (inference[0].clone(), inference),
-        (Some(train), None) => (train[0].clone(), train),
-        (Some(train), Some(inference)) => (train[0].clone(), inference),
+    let inference = names(args.inference_devices.as_deref())?;
+    let (train, inference) = match (names(args.devices.as_deref())?, train, inference) {
+        (Some(all), _, _) => (all.clone(), all),
+        (None, None, None) => (vec![args.device.clone()], vec![args.device.clone()]),
+        (None, None, Some(inference)) => (vec![inference[0].clone()], inference),
+        (None, Some(train), None) => (train.clone(), train),
+        (None, Some(train), Some(inference)) => (train, inference),
     };
-    // The training device's copy serves when it is listed for inference (once: `cpu,cpu` is two
-    // copies).
+    // The first training device's copy serves when it is listed for inference (once: `cpu,cpu`
+    // is two copies).
     let mut extra = inference;
-    let train_serves = match extra.iter().position(|d| *d == train) {
+    let train_serves = match extra.iter().position(|d| *d == train[0]) {
         Some(at) => {
             extra.remove(at);
             true
         }
         None => false,
     };
+    let devices = |names: &[String]| -> anyhow::Result<Vec<_>> {
+        names.iter().map(|name| device(name)).collect()
+    };
     Ok(DeviceRoles {
-        train: device(&train)?,
+        train: device(&train[0])?,
         train_serves,
-        extra_inference: extra
-            .iter()
-            .map(|name| device(name))
-            .collect::<anyhow::Result<_>>()?,
+        extra_inference: devices(&extra)?,
+        extra_train: devices(&train[1..])?,
     })
 }
 
@@ -176,7 +179,8 @@ fn device_roles(args: &ServeArgs) -> anyhow::Result<DeviceRoles> {
 fn device_names(list: &str) -> anyhow::Result<Vec<String>> {
     let names: Vec<String> = match list.trim() {
         "all" => {
-            let count = art_core::engine::cuda_device_count()?;
+            let count = art_core::engine::cuda_device_count()
+                .map_err(|e| anyhow::anyhow!("--devices all: no CUDA device to count ({e})"))?;
             if count == 0 {
                 anyhow::bail!("--devices all: no CUDA device found");
             }
@@ -220,7 +224,10 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     // SAFETY: no other thread exists yet (the runtime starts below).
-    unsafe { art_core::engine::process::set_cpu_thread_defaults() };
+    unsafe {
+        art_core::engine::process::set_cpu_thread_defaults();
+        art_core::engine::process::set_nccl_defaults();
+    }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
@@ -263,6 +270,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 load,
                 extra_replicas: roles.extra_inference,
                 serve_on_train_device: roles.train_serves,
+                extra_train_devices: roles.extra_train,
             })
             .await
         }

@@ -26,6 +26,18 @@ pub unsafe fn set_cpu_thread_defaults() {
     }
 }
 
+/// Keeps NVLink multicast (NVLS) off in NCCL unless `NCCL_NVLS_ENABLE` is set: on hosts whose
+/// GPUs others share, a program using it can take them out of service. Data-parallel training
+/// sets the same when it starts NCCL; called first thing in `main`, the write races no thread.
+///
+/// # Safety
+/// As [`set_cpu_thread_defaults`]: call it while the program has no other thread.
+pub unsafe fn set_nccl_defaults() {
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        std::env::set_var("NCCL_NVLS_ENABLE", "0");
+    }
+}
+
 /// Keeps freed memory in the process for reuse instead of returning it to the kernel at once
 /// (`art serve --malloc-tuning off` leaves glibc's defaults). A training step allocates and
 /// frees hundreds of megabytes of activations and gradients; with glibc's defaults, every buffer

@@ -49,16 +49,21 @@ pub(super) async fn register_model(
         .map_err(|e| ApiError::internal(format!("cannot create {}: {e}", dir.display())))?;
     // Loading the latest checkpoint (if any) and serving it takes a moment: off the async threads.
     let trainer = {
-        let (engine, dir, name, lora) = (
+        let (engine, ranks, dir, name, lora) = (
             state.engine.clone(),
+            state.train_engines.clone(),
             dir.clone(),
             request.name.clone(),
             request.lora.clone(),
         );
-        tokio::task::spawn_blocking(move || Trainer::new(engine, dir, &name, &lora))
-            .await
-            .map_err(|e| ApiError::internal(format!("the trainer could not start: {e}")))?
-            .map_err(|e| ApiError::internal(format!("the trainer could not start: {e}")))?
+        tokio::task::spawn_blocking(move || {
+            let mut trainer = Trainer::new(engine, dir, &name, &lora)?;
+            trainer.add_training_devices(ranks)?;
+            Ok::<_, crate::train::TrainError>(trainer)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("the trainer could not start: {e}")))?
+        .map_err(|e| ApiError::internal(format!("the trainer could not start: {e}")))?
     };
     let info = ModelInfo {
         name: request.name.clone(),

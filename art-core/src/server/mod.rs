@@ -83,6 +83,11 @@ pub struct ServeOptions {
     /// Whether `load.device`'s copy serves requests too; off, it only trains (a dedicated
     /// training device beside `extra_replicas`, which must then not be empty).
     pub serve_on_train_device: bool,
+    /// More devices that train with `load.device`, data-parallel: each takes a share of every
+    /// step's micro-batches and the gradients are all-reduced (NCCL between CUDA devices, which
+    /// needs the `nccl` feature). A device that is also in `extra_replicas` trains on that
+    /// replica's copy of the model; another gets a copy that only trains.
+    pub extra_train_devices: Vec<Device>,
 }
 
 impl Default for ServeOptions {
@@ -105,6 +110,7 @@ impl Default for ServeOptions {
             load: LoadOptions::default(),
             extra_replicas: Vec::new(),
             serve_on_train_device: true,
+            extra_train_devices: Vec::new(),
         }
     }
 }
@@ -122,6 +128,10 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
     if !options.serve_on_train_device && options.extra_replicas.is_empty() {
         anyhow::bail!("the training device does not serve, and no other device does");
     }
+    let training: Vec<Device> = std::iter::once(options.load.device.clone())
+        .chain(options.extra_train_devices.iter().cloned())
+        .collect();
+    crate::train::check_training_devices(&training)?;
     let engine = load_engine(options, &options.load.device)?;
     // The trainer renders conversations with the same template (one builder for both).
     let template = engine
@@ -136,21 +146,52 @@ pub fn build_state(options: &ServeOptions) -> anyhow::Result<AppState> {
         kv_cache_bytes: options.kv_cache_mib.map(|mib| mib << 20),
         max_prefill_tokens: options.max_prefill_tokens,
     };
-    let replica = |engine: Arc<Engine>, serves: bool| {
+    let replica = |engine: Arc<Engine>, serves: bool, trains: bool| {
         let batcher = Batcher::start(engine.clone(), options.max_batch, options.max_queue, limits);
-        Replica::new(device_name(engine.device()), engine, batcher, serves)
+        Replica::new(
+            device_name(engine.device()),
+            engine,
+            batcher,
+            serves,
+            trains,
+        )
     };
-    let mut replicas = vec![replica(engine.clone(), options.serve_on_train_device)];
+    let mut replicas = vec![replica(engine.clone(), options.serve_on_train_device, true)];
     for device in &options.extra_replicas {
-        replicas.push(replica(load_engine(options, device)?, true));
+        replicas.push(replica(load_engine(options, device)?, true, false));
+    }
+    // The data-parallel ranks besides the first: a serving replica's copy of the model where one
+    // is on the device, else a copy of their own.
+    let mut train_engines = Vec::new();
+    for device in &options.extra_train_devices {
+        let shared = replicas
+            .iter_mut()
+            .find(|r| !r.trains && r.engine.device().same_device(device));
+        let engine = match shared {
+            Some(r) => {
+                r.trains = true;
+                r.engine.clone()
+            }
+            None => {
+                let engine = load_engine(options, device)?;
+                replicas.push(replica(engine.clone(), false, true));
+                engine
+            }
+        };
+        train_engines.push(engine);
     }
     if replicas.len() > 1 {
         let devices: Vec<&str> = replicas.iter().map(|r| r.device.as_str()).collect();
-        tracing::info!(devices = %devices.join(","), "inference replicas");
+        tracing::info!(
+            devices = %devices.join(","),
+            training = 1 + train_engines.len(),
+            "replicas"
+        );
     }
     Ok(AppState::new(Shared {
         replicas: Replicas::new(replicas),
         engine,
+        train_engines,
         template,
         // The path it was loaded from, its hub id when it came from the hub cache, and --alias.
         aliases: std::iter::once(options.model.clone())

@@ -3,9 +3,10 @@
 //! hashes to, so that the rollouts of a group (one prompt, many requests) share one prefix cache,
 //! unless that replica is busier than the least busy by more than a batch's worth; a replica
 //! whose batching thread has stopped gets nothing. The first replica is the trainer's: LoRA
-//! adapters are trained and registered there, and every other replica mirrors its adapters. The
-//! trainer's replica may be kept out of serving (a dedicated training device), so that sampling
-//! on the others goes on while it trains.
+//! adapters are registered there, and every other replica mirrors its adapters. Other replicas
+//! may train with it (data-parallel ranks: `train::DataParallel`); training replicas may be kept
+//! out of serving (dedicated training devices), so that sampling on the others goes on while
+//! they train.
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -29,20 +30,30 @@ pub struct Replica {
     pub device: String,
     pub engine: Arc<Engine>,
     pub batcher: Batcher,
-    /// Whether requests are routed here (the trainer's replica may only train).
+    /// Whether requests are routed here (a training replica may only train).
     pub serves: bool,
+    /// Whether this copy of the model trains (the first replica always; others as ranks of
+    /// data-parallel training).
+    pub trains: bool,
     /// The primary's adapter each mirrored name was copied from (its address: a name such as a
     /// model's latest step is set to a new adapter every step).
     mirrored: Mutex<HashMap<String, usize>>,
 }
 
 impl Replica {
-    pub fn new(device: String, engine: Arc<Engine>, batcher: Batcher, serves: bool) -> Self {
+    pub fn new(
+        device: String,
+        engine: Arc<Engine>,
+        batcher: Batcher,
+        serves: bool,
+        trains: bool,
+    ) -> Self {
         Replica {
             device,
             engine,
             batcher,
             serves,
+            trains,
             mirrored: Mutex::new(HashMap::new()),
         }
     }
@@ -165,9 +176,8 @@ impl Replicas {
                 .all
                 .iter()
                 .zip(batches)
-                .enumerate()
-                .map(|(i, (r, batch))| {
-                    let role = match (i == 0, r.serves) {
+                .map(|(r, batch)| {
+                    let role = match (r.trains, r.serves) {
                         (true, true) => "train+inference",
                         (true, false) => "train",
                         _ => "inference",
@@ -229,7 +239,7 @@ mod tests {
 
     fn replica(engine: &Arc<Engine>) -> Replica {
         let batcher = Batcher::start(engine.clone(), 8, 8, SchedulerLimits::default());
-        Replica::new("cpu".into(), engine.clone(), batcher, true)
+        Replica::new("cpu".into(), engine.clone(), batcher, true, false)
     }
 
     /// An adapter whose `B`s are not zero (so that it changes the model's output).

@@ -22,6 +22,8 @@ pub struct AppState(Arc<Shared>);
 pub struct Shared {
     /// The trainer's engine (the first replica's): adapters are trained and registered here.
     pub engine: Arc<Engine>,
+    /// The other devices' engines that train data-parallel with `engine`.
+    pub train_engines: Vec<Arc<Engine>>,
     pub template: Option<ChatTemplate>,
     /// The model once per device, each with its batching thread; the first is `engine`.
     pub replicas: Replicas,

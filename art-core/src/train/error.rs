@@ -145,6 +145,9 @@ pub enum TrainError {
     #[error("the model `{0}` was deleted; register it again to train it")]
     Retired(String),
 
+    #[error("data-parallel training: {0}")]
+    DataParallel(String),
+
     #[error(transparent)]
     Engine(#[from] EngineError),
 }

@@ -30,7 +30,10 @@
 mod batch;
 mod error;
 mod loss;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod optim;
+mod parallel;
 mod trainer;
 
 pub use batch::{
@@ -41,6 +44,7 @@ pub use batch::{
 pub use error::{Result, SequenceSource, TrainError};
 pub use loss::{micro_batch_loss, KeptLayers, MicroBatchLoss, Normalization};
 pub use optim::{AdamW, AdamWParams};
+pub use parallel::{check_training_devices, DataParallel, Update};
 pub use trainer::{
     checkpoint_dir, checkpoint_metrics, list_checkpoints, StepMetrics, StepResult, TrainProgress,
     Trainer,

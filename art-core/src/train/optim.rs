@@ -103,6 +103,39 @@ impl AdamW {
         })
     }
 
+    /// This optimizer's state (moments, step count, settings) on `device`, for `vars`: another
+    /// copy of the same adapter (the same names, in the same order), a data-parallel rank's.
+    pub fn copy_for(&self, vars: Vec<(String, Var)>, device: &Device) -> Result<Self> {
+        if vars.len() != self.slots.len()
+            || vars
+                .iter()
+                .zip(&self.slots)
+                .any(|((n, v), s)| *n != s.name || v.dims() != s.var.dims())
+        {
+            return Err(TrainError::DataParallel(
+                "the optimizer's copy follows other variables than the original".into(),
+            ));
+        }
+        let slots = vars
+            .into_iter()
+            .zip(&self.slots)
+            .map(|((name, var), slot)| {
+                Ok(Slot {
+                    name,
+                    var,
+                    m: slot.m.to_device(device)?,
+                    v: slot.v.to_device(device)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(AdamW {
+            slots,
+            t: self.t,
+            params: self.params,
+            flat: None,
+        })
+    }
+
     pub fn steps_taken(&self) -> u64 {
         self.t
     }

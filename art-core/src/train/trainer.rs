@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 pub use crate::types::{StepMetrics, StepResult, TrainProgress};
@@ -19,11 +18,12 @@ use crate::types::{
 };
 
 use super::batch::{
-    chat_template_for, plan_micro_batches, prepare_batch, MicroBatch, Tokenization, TrainSequence,
+    chat_template_for, plan_micro_batches, prepare_batch, Tokenization, TrainSequence,
 };
 use super::error::{Result, SequenceSource, TrainError};
-use super::loss::{micro_batch_loss, Normalization};
+use super::loss::Normalization;
 use super::optim::{AdamW, AdamWParams};
+use super::parallel::{DataParallel, Update};
 
 /// What a checkpoint records besides the adapter and the optimizer.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -69,8 +69,9 @@ pub struct Trainer {
     model_dir: PathBuf,
     name: String,
     template: ChatTemplate,
-    adapter: LoraAdapter,
-    optimizer: AdamW,
+    /// The adapter and optimizer state: on `engine`'s device, and on the other devices of
+    /// data-parallel training.
+    ranks: DataParallel,
     step: u64,
     /// `name@step` adapters kept registered on the engine (older ones are unregistered).
     served: Vec<String>,
@@ -119,12 +120,11 @@ impl Trainer {
             }
         }
         let mut trainer = Trainer {
+            ranks: DataParallel::new(Arc::clone(&engine), adapter, optimizer),
             engine,
             model_dir,
             name: name.to_string(),
             template,
-            adapter,
-            optimizer,
             step,
             served: Vec::new(),
             max_served: 8,
@@ -154,11 +154,29 @@ impl Trainer {
     /// The adapter being trained (its variables change with every step; the engine serves
     /// snapshots).
     pub fn adapter(&self) -> &LoraAdapter {
-        &self.adapter
+        self.ranks.adapter()
     }
 
     pub fn lora_config(&self) -> &LoraConfig {
-        self.adapter.config()
+        self.ranks.adapter().config()
+    }
+
+    /// Trains data-parallel on `engines` as well: the same model loaded on other devices (CUDA
+    /// devices through NCCL, with the `nccl` feature; or more CPU engines). Each gets a copy of
+    /// the adapter and optimizer state and a share of every step's micro-batches; after a step
+    /// all copies are equal. The adapters are still served from this trainer's engine.
+    pub fn add_training_devices(&mut self, engines: Vec<Arc<Engine>>) -> Result<()> {
+        self.ranks.add_ranks(engines)
+    }
+
+    /// How many devices train (1 unless [`Trainer::add_training_devices`] added some).
+    pub fn world_size(&self) -> usize {
+        self.ranks.world_size()
+    }
+
+    /// Every training device's copy of the adapter, this trainer's engine's first.
+    pub fn rank_adapters(&self) -> impl Iterator<Item = &LoraAdapter> {
+        self.ranks.adapters()
     }
 
     /// The chat template conversations are rendered with.
@@ -238,7 +256,7 @@ impl Trainer {
 
     /// Registers a snapshot of the current adapter as `name@step` and `name`.
     fn register(&mut self) -> Result<()> {
-        let snapshot = Arc::new(self.adapter.snapshot()?);
+        let snapshot = Arc::new(self.ranks.adapter().snapshot()?);
         let versioned = self.adapter_name(self.step);
         self.engine
             .set_adapter(versioned.clone(), snapshot.clone())?;
@@ -261,8 +279,10 @@ impl Trainer {
         let parent = final_dir.parent().expect("checkpoint dir has a parent");
         std::fs::create_dir_all(parent).map_err(|e| TrainError::io(parent, e))?;
         let tmp = fsutil::temp_path_for(&final_dir);
-        self.adapter.save_peft(&tmp, Some(self.engine.name()))?;
-        self.optimizer.save(&tmp)?;
+        self.ranks
+            .adapter()
+            .save_peft(&tmp, Some(self.engine.name()))?;
+        self.ranks.optimizer().save(&tmp)?;
         let state = TrainerState {
             step: self.step,
             name: self.name.clone(),
@@ -325,7 +345,7 @@ impl Trainer {
 
         let reference = self.reference_adapter(config.kl_penalty_reference_step)?;
         let prepared_s = started.elapsed().as_secs_f64();
-        let update = self.update(
+        let update = self.ranks.update(
             sequences,
             &micro_batches,
             normalization,
@@ -534,7 +554,7 @@ impl Trainer {
             let loss_config = cross_entropy_config(config, learning_rate);
             let normalization = Normalization::for_step(sequences, &loss_config);
             let micro_batches = plan_micro_batches(sequences, &loss_config, self.engine.device());
-            let update = self.update(
+            let update = self.ranks.update(
                 sequences,
                 &micro_batches,
                 normalization,
@@ -566,171 +586,16 @@ impl Trainer {
     fn reload(&mut self) -> Result<()> {
         let device = self.engine.device().clone();
         let dir = checkpoint_dir(&self.model_dir, self.step);
-        self.adapter = if self.step > 0 {
+        let adapter = if self.step > 0 {
             LoraAdapter::load_peft(&dir, self.engine.config(), &device)?
         } else {
-            LoraAdapter::new(
-                self.engine.config(),
-                &self.adapter.config().clone(),
-                &device,
-                0,
-            )?
+            LoraAdapter::new(self.engine.config(), self.lora_config(), &device, 0)?
         };
-        self.optimizer = AdamW::new(self.adapter.named_vars(), AdamWParams::default())?;
+        let mut optimizer = AdamW::new(adapter.named_vars(), AdamWParams::default())?;
         if dir.join(super::optim::STATE_JSON).exists() {
-            self.optimizer.load(&dir, &device)?;
+            optimizer.load(&dir, &device)?;
         }
-        Ok(())
-    }
-
-    /// One AdamW update on `sequences`: forward and backward of every micro-batch (gradients
-    /// accumulate), the global gradient norm clipped to `config.max_grad_norm`, and the step at
-    /// `config.learning_rate` (none when there is no sequence). `on_micro_batch(done, tokens,
-    /// loss)` follows the micro-batches.
-    fn update(
-        &mut self,
-        sequences: &[TrainSequence],
-        micro_batches: &[MicroBatch],
-        normalization: Normalization,
-        config: &TrainConfig,
-        reference: Option<&LoraAdapter>,
-        mut on_micro_batch: impl FnMut(usize, usize, f64),
-    ) -> Result<Update> {
-        let started = Instant::now();
-        let named = self.adapter.named_vars();
-        let mut grads: Vec<Option<Tensor>> = vec![None; named.len()];
-        let mut u = Update {
-            micro_batches: micro_batches.len(),
-            ..Default::default()
-        };
-        for (k, mb) in micro_batches.iter().enumerate() {
-            let mut out = micro_batch_loss(
-                self.engine.model(),
-                Some(&self.adapter),
-                reference,
-                &mb.gather(sequences),
-                normalization,
-                config,
-                true,
-            )?;
-            let store = out.backward(self.engine.model(), &self.adapter)?;
-            for (slot, (_, var)) in grads.iter_mut().zip(&named) {
-                if let Some(g) = store.get(var.as_tensor()) {
-                    *slot = Some(match slot.take() {
-                        Some(acc) => (acc + g)?,
-                        None => g.clone(),
-                    });
-                }
-            }
-            u.loss += out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-            u.policy_loss += out.policy_loss;
-            if let Some(x) = out.kl {
-                u.kl = Some(u.kl.unwrap_or(0.0) + x);
-            }
-            if let Some(x) = out.kl_policy_ref {
-                // Token-weighted over micro-batches: divided by the tokens, the step's mean.
-                u.kl_policy_ref =
-                    Some(u.kl_policy_ref.unwrap_or(0.0) + x * out.num_tokens() as f64);
-            }
-            u.entropy_sum += out.entropy_sum;
-            u.clipped += out.clipped_tokens;
-            if let Some(k) = out.kept_layers {
-                u.layers_kept += k.kept;
-                u.layers_run += k.layers;
-                u.kept_bytes = u.kept_bytes.max(k.kept * k.layer_bytes);
-            }
-            u.tokens += out.num_tokens();
-            for (s, t) in out.sampler_logprobs.iter().zip(&out.trainer_logprobs) {
-                if s.is_finite() {
-                    u.sampler_lp.push(f64::from(*s));
-                    u.trainer_lp.push(f64::from(*t));
-                }
-            }
-            on_micro_batch(k + 1, u.tokens, u.loss);
-        }
-        if !u.loss.is_finite() {
-            return Err(TrainError::NonFinite { what: "loss" });
-        }
-        let mut sq = 0.0;
-        for g in grads.iter().flatten() {
-            sq += g
-                .sqr()?
-                .sum_all()?
-                .to_dtype(DType::F64)?
-                .to_scalar::<f64>()?;
-        }
-        u.grad_norm = sq.sqrt();
-        if !u.grad_norm.is_finite() {
-            return Err(TrainError::NonFinite {
-                what: "gradient norm",
-            });
-        }
-        if !sequences.is_empty() {
-            if let Some(max) = config.max_grad_norm {
-                let factor = max / (u.grad_norm + 1e-6);
-                if factor < 1.0 {
-                    for g in grads.iter_mut().flatten() {
-                        *g = (&*g * factor)?;
-                    }
-                }
-            }
-            self.optimizer
-                .step(&grads, config.learning_rate, config.weight_decay)?;
-        }
-        // The update's kernels are queued on a GPU: wait for them, so that the time (and the
-        // step's tokens/s) is the compute's, not the checkpoint's that would wait after.
-        self.engine.device().synchronize()?;
-        u.compute_s = started.elapsed().as_secs_f64();
-        Ok(u)
-    }
-}
-
-/// What one optimizer update ([`Trainer::update`]) measured.
-#[derive(Default)]
-struct Update {
-    /// The loss (weighted as the normalization says) and its policy part.
-    loss: f64,
-    policy_loss: f64,
-    kl: Option<f64>,
-    /// Sum over micro-batches of their mean `kl_policy_ref` times their tokens.
-    kl_policy_ref: Option<f64>,
-    entropy_sum: f64,
-    clipped: usize,
-    /// Trainable tokens computed.
-    tokens: usize,
-    /// The sampler's and the trainer's logprobs of the tokens that came with the sampler's.
-    sampler_lp: Vec<f64>,
-    trainer_lp: Vec<f64>,
-    grad_norm: f64,
-    micro_batches: usize,
-    compute_s: f64,
-    /// Over the micro-batches run layer by layer: layers that kept their activations for the
-    /// backward, layers run, and the most memory one micro-batch kept.
-    layers_kept: usize,
-    layers_run: usize,
-    kept_bytes: usize,
-}
-
-impl Update {
-    /// How the backward got the layers' activations, for the step's profile.
-    fn layer_memory(&self) -> String {
-        if self.layers_run == 0 {
-            return "candle's whole graph".into();
-        }
-        format!(
-            "layer runs: {} with activations kept ({:.1} MiB at most), {} recomputed",
-            self.layers_kept,
-            self.kept_bytes as f64 / (1u64 << 20) as f64,
-            self.layers_run - self.layers_kept,
-        )
-    }
-
-    fn mean_entropy(&self) -> f64 {
-        if self.tokens > 0 {
-            self.entropy_sum / self.tokens as f64
-        } else {
-            0.0
-        }
+        self.ranks.reset(adapter, optimizer)
     }
 }
 
