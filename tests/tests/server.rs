@@ -494,6 +494,36 @@ async fn json_schema_output_parses_even_from_a_random_model() {
     assert_eq!(body["error"]["param"], "response_format");
 }
 
+/// Registers the trainable model `name` (project `p`).
+async fn register(server: &TestServer, name: &str) {
+    let registered = reqwest::Client::new()
+        .post(format!("{}/art/models", server.base_url))
+        .json(&json!({"name": name, "project": "p"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(registered.status(), 200);
+}
+
+/// One training step of `name` on `body` (its trajectory groups and config): the `result` event
+/// of the streamed answer.
+async fn train(server: &TestServer, name: &str, body: Value) -> Value {
+    let answer = reqwest::Client::new()
+        .post(format!("{}/art/models/{name}/train", server.base_url))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    answer
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .find(|event| event["type"] == "result")
+        .unwrap_or_else(|| panic!("no result in {answer}"))
+}
+
 /// The context the trainer renders for a conversation is the prompt the server sampled from
 /// (one chat-template builder for both; the tools listed alike, also under `tool_choice: "none"`,
 /// which the trainer does not know of): the trainer's logprobs of the sampled tokens then equal
@@ -502,15 +532,7 @@ async fn json_schema_output_parses_even_from_a_random_model() {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_trainer_renders_the_prompt_the_server_sampled_from() {
     let server = TestServer::tiny(|_| {}).await;
-    let http = reqwest::Client::new();
-    let url = |path: &str| format!("{}{path}", server.base_url);
-    let registered = http
-        .post(url("/art/models"))
-        .json(&json!({"name": "ctx", "project": "p"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(registered.status(), 200);
+    register(&server, "ctx").await;
     let tools = json!([{"type": "function", "function": {"name": "add", "description": "Adds.",
         "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]);
     let messages = json!([
@@ -533,23 +555,13 @@ async fn the_trainer_renders_the_prompt_the_server_sampled_from() {
         trajectories.push(json!({"messages_and_choices": conversation, "tools": tools,
                                  "reward": seed % 2}));
     }
-    let answer = http
-        .post(url("/art/models/ctx/train"))
-        .json(
-            &json!({"trajectory_groups": [{"trajectories": trajectories}],
-                      "config": {"learning_rate": 1e-3}}),
-        )
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let result: Value = answer
-        .lines()
-        .map(|line| serde_json::from_str::<Value>(line).unwrap())
-        .find(|event| event["type"] == "result")
-        .unwrap_or_else(|| panic!("no result in {answer}"));
+    let result = train(
+        &server,
+        "ctx",
+        json!({"trajectory_groups": [{"trajectories": trajectories}],
+               "config": {"learning_rate": 1e-3}}),
+    )
+    .await;
     let diff = result["metrics"]["logprob_abs_diff"].as_f64().unwrap();
     assert!(diff < 1e-4, "mean |sampler - trainer| logprob = {diff}");
 }
@@ -705,15 +717,7 @@ async fn training_spreads_over_devices_and_every_replica_serves_the_step() {
         ["train+inference", "train+inference", "train"],
         "{before}"
     );
-    let http = reqwest::Client::new();
-    let url = |path: &str| format!("{}{path}", server.base_url);
-    let registered = http
-        .post(url("/art/models"))
-        .json(&json!({"name": "dp", "project": "p"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(registered.status(), 200);
+    register(&server, "dp").await;
     let mut groups = Vec::new();
     for prompt in ["Say hi", "Count", "Name a color"] {
         let messages = json!([{"role": "user", "content": prompt}]);
@@ -732,21 +736,13 @@ async fn training_spreads_over_devices_and_every_replica_serves_the_step() {
         }
         groups.push(json!({"trajectories": trajectories}));
     }
-    let answer = http
-        .post(url("/art/models/dp/train"))
-        .json(&json!({"trajectory_groups": groups,
-                      "config": {"learning_rate": 1e-2, "micro_batch_tokens": 32}}))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let result: Value = answer
-        .lines()
-        .map(|line| serde_json::from_str::<Value>(line).unwrap())
-        .find(|event| event["type"] == "result")
-        .unwrap_or_else(|| panic!("no result in {answer}"));
+    let result = train(
+        &server,
+        "dp",
+        json!({"trajectory_groups": groups,
+               "config": {"learning_rate": 1e-2, "micro_batch_tokens": 32}}),
+    )
+    .await;
     let metrics = &result["metrics"];
     assert!(
         metrics["num_micro_batches"].as_u64().unwrap() >= 3,
