@@ -1198,13 +1198,18 @@ fn parity(device: &Device) {
 
     // The sampling kernel on its own, against its host reference: 64 rows of Qwen2.5's
     // vocabulary, spread (std 3) and peaked (std 12) logits.
+    // The decode step hands the kernels its bf16 logits as they are; f32 for the composite path.
     let noise = Tensor::randn(0f32, 1.0, (64, 151_936), device).unwrap();
-    for std in [3.0, 12.0] {
-        let logits = (&noise * std).unwrap();
+    for (std, dtype) in [3.0, 12.0]
+        .into_iter()
+        .flat_map(|s| [(s, DType::F32), (s, DType::BF16)])
+    {
+        let logits = (&noise * std).unwrap().to_dtype(dtype).unwrap();
         let (same, rows, sum_rel, lp) = check_device_sampling(&logits, 11).unwrap();
         println!(
-            "PARITY sampling kernel, 64 x 151936 logits (std {std}): {same}/{rows} rows with the \
-             host's token, weight sums within {sum_rel:.1e} (relative), logprobs within {lp:.1e} {}",
+            "PARITY sampling kernel, 64 x 151936 {dtype:?} logits (std {std}): {same}/{rows} rows \
+             with the host's token, weight sums within {sum_rel:.1e} (relative), logprobs within \
+             {lp:.1e} {}",
             if same == rows { "ok" } else { "FAIL" }
         );
         if same != rows {

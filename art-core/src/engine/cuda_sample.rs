@@ -69,7 +69,7 @@ pub fn check_device_sampling(logits: &Tensor, seed: u64) -> Result<(usize, usize
     Ok((same, b, sum_rel, lp_diff))
 }
 
-/// Draws a token for every row `b` of `logits` (`[B, vocab]`, f32) that has `draws[b]`, on the
+/// Draws a token for every row `b` of `logits` (`[B, vocab]`, f32 or bf16) that has `draws[b]`, on the
 /// logits' device (the CPU runs the host reference, for tests). Rows without a draw get `None`.
 pub(crate) fn sample(
     logits: &Tensor,
@@ -94,7 +94,12 @@ pub(crate) fn sample(
         params.extend([d.u, d.inv_t as f64, if d.greedy { 1.0 } else { 0.0 }]);
     }
     let params = Tensor::from_vec(params, (b, 3), logits.device())?;
-    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    // The GPU kernels read bf16 logits as they are (a cast of a decode step's 64 x 152k logits
+    // took 0.1 ms); the host reference takes f32.
+    let logits = match logits.dtype() {
+        DType::BF16 if logits.device().is_cuda() => logits.contiguous()?,
+        _ => logits.to_dtype(DType::F32)?.contiguous()?,
+    };
     let out: Vec<f64> = logits
         .apply_op2_no_bwd(&params, &SampleOp)?
         .flatten_all()?
@@ -113,7 +118,8 @@ pub(crate) fn sample(
         .collect())
 }
 
-/// `(logits [B, V] f32, params [B, 3] f64) -> [B, 4] f64`: id, max, sum of weights, logit at id.
+/// `(logits [B, V] f32 (bf16 on CUDA), params [B, 3] f64) -> [B, 4] f64`: id, max, sum of
+/// weights, logit at id.
 struct SampleOp;
 
 impl candle_core::CustomOp2 for SampleOp {
@@ -160,68 +166,23 @@ impl candle_core::CustomOp2 for SampleOp {
         s2: &candle_core::CudaStorage,
         l2: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
-        use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-        use candle_core::cuda_backend::{CudaStorageSlice as S, WrapErr};
+        use candle_core::cuda_backend::CudaStorageSlice as S;
 
-        let (S::F32(logits), S::F64(params)) = (&s1.slice, &s2.slice) else {
-            candle_core::bail!("art-sample: f32 logits and f64 parameters")
-        };
         let (Some((a0, a1)), Some((p0, p1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
         else {
             candle_core::bail!("art-sample: inputs must be contiguous")
         };
+        let S::F64(params) = &s2.slice else {
+            candle_core::bail!("art-sample: f64 parameters")
+        };
         let (b, v) = l1.shape().dims2()?;
-        let (logits, params) = (logits.slice(a0..a1), params.slice(p0..p1));
+        let params = params.slice(p0..p1);
         let dev = s1.device.clone();
-        let chunks = v.div_ceil(CHUNK);
-        // The four buffers are uninitialised, and each is written in full before it is read.
-        // SAFETY: pass 1 writes every chunk's max before pass 2 reads them.
-        let chunk_max = unsafe { dev.alloc::<f32>(b * chunks)? };
-        // SAFETY: pass 1 writes every chunk's index before pass 3 reads them.
-        let chunk_idx = unsafe { dev.alloc::<i32>(b * chunks)? };
-        // SAFETY: pass 2 writes every chunk's sum before pass 3 reads them.
-        let chunk_sum = unsafe { dev.alloc::<f64>(b * chunks)? };
-        // SAFETY: pass 3 writes every row's four values; nothing reads them before.
-        let out = unsafe { dev.alloc::<f64>(4 * b)? };
-        let (v, n_chunks) = (v as i32, chunks as i32);
-        let chunk_grid = LaunchConfig {
-            grid_dim: (chunks as u32, b as u32, 1),
-            block_dim: (CHUNK_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+        let out = match &s1.slice {
+            S::F32(logits) => draw_rows(&dev, &logits.slice(a0..a1), "f32", &params, b, v)?,
+            S::BF16(logits) => draw_rows(&dev, &logits.slice(a0..a1), "bf16", &params, b, v)?,
+            _ => candle_core::bail!("art-sample: f32 or bf16 logits"),
         };
-        let func = dev.get_or_load_custom_func("art_sample_max", MODULE, ptx()?)?;
-        let mut builder = func.builder();
-        builder.arg(&logits);
-        builder.arg(&chunk_max);
-        builder.arg(&chunk_idx);
-        candle_core::builder_arg!(builder, v, n_chunks);
-        // SAFETY: `logits` holds B rows of V floats; the chunk buffers B x chunks each.
-        unsafe { builder.launch(chunk_grid) }.w()?;
-        let func = dev.get_or_load_custom_func("art_sample_sum", MODULE, ptx()?)?;
-        let mut builder = func.builder();
-        builder.arg(&logits);
-        builder.arg(&params);
-        builder.arg(&chunk_max);
-        builder.arg(&chunk_sum);
-        candle_core::builder_arg!(builder, v, n_chunks);
-        // SAFETY: as above; `params` holds B x 3 doubles.
-        unsafe { builder.launch(chunk_grid) }.w()?;
-        let func = dev.get_or_load_custom_func("art_sample_pick", MODULE, ptx()?)?;
-        let mut builder = func.builder();
-        builder.arg(&logits);
-        builder.arg(&params);
-        builder.arg(&chunk_max);
-        builder.arg(&chunk_idx);
-        builder.arg(&chunk_sum);
-        builder.arg(&out);
-        candle_core::builder_arg!(builder, v, n_chunks);
-        let cfg = LaunchConfig {
-            grid_dim: (b as u32, 1, 1),
-            block_dim: (PICK_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: as above; `out` holds B x 4 doubles.
-        unsafe { builder.launch(cfg) }.w()?;
         Ok((
             candle_core::CudaStorage {
                 slice: S::F64(out),
@@ -230,6 +191,72 @@ impl candle_core::CustomOp2 for SampleOp {
             candle_core::Shape::from((b, 4)),
         ))
     }
+}
+
+/// The three sampling passes over `logits` (`b` rows of `v`, element type `suffix`):
+/// `[B, 4]` f64 results.
+#[cfg(feature = "cuda")]
+fn draw_rows<T: candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+    dev: &candle_core::CudaDevice,
+    logits: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, T>,
+    suffix: &str,
+    params: &candle_core::cuda_backend::cudarc::driver::CudaView<'_, f64>,
+    b: usize,
+    v: usize,
+) -> candle_core::Result<candle_core::cuda_backend::cudarc::driver::CudaSlice<f64>> {
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::WrapErr;
+
+    let chunks = v.div_ceil(CHUNK);
+    // The four buffers are uninitialised, and each is written in full before it is read.
+    // SAFETY: pass 1 writes every chunk's max before pass 2 reads them.
+    let chunk_max = unsafe { dev.alloc::<f32>(b * chunks)? };
+    // SAFETY: pass 1 writes every chunk's index before pass 3 reads them.
+    let chunk_idx = unsafe { dev.alloc::<i32>(b * chunks)? };
+    // SAFETY: pass 2 writes every chunk's sum before pass 3 reads them.
+    let chunk_sum = unsafe { dev.alloc::<f64>(b * chunks)? };
+    // SAFETY: pass 3 writes every row's four values; nothing reads them before.
+    let out = unsafe { dev.alloc::<f64>(4 * b)? };
+    let (v, n_chunks) = (v as i32, chunks as i32);
+    let chunk_grid = LaunchConfig {
+        grid_dim: (chunks as u32, b as u32, 1),
+        block_dim: (CHUNK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let func = dev.get_or_load_custom_func(&format!("art_sample_max_{suffix}"), MODULE, ptx()?)?;
+    let mut builder = func.builder();
+    builder.arg(logits);
+    builder.arg(&chunk_max);
+    builder.arg(&chunk_idx);
+    candle_core::builder_arg!(builder, v, n_chunks);
+    // SAFETY: `logits` holds B rows of V values; the chunk buffers B x chunks each.
+    unsafe { builder.launch(chunk_grid) }.w()?;
+    let func = dev.get_or_load_custom_func(&format!("art_sample_sum_{suffix}"), MODULE, ptx()?)?;
+    let mut builder = func.builder();
+    builder.arg(logits);
+    builder.arg(params);
+    builder.arg(&chunk_max);
+    builder.arg(&chunk_sum);
+    candle_core::builder_arg!(builder, v, n_chunks);
+    // SAFETY: as above; `params` holds B x 3 doubles.
+    unsafe { builder.launch(chunk_grid) }.w()?;
+    let func = dev.get_or_load_custom_func(&format!("art_sample_pick_{suffix}"), MODULE, ptx()?)?;
+    let mut builder = func.builder();
+    builder.arg(logits);
+    builder.arg(params);
+    builder.arg(&chunk_max);
+    builder.arg(&chunk_idx);
+    builder.arg(&chunk_sum);
+    builder.arg(&out);
+    candle_core::builder_arg!(builder, v, n_chunks);
+    let cfg = LaunchConfig {
+        grid_dim: (b as u32, 1, 1),
+        block_dim: (PICK_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as above; `out` holds B x 4 doubles.
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(out)
 }
 
 #[cfg(feature = "cuda")]
@@ -262,21 +289,27 @@ __device__ __forceinline__ void better(float& m, int& mi, float om, int oi) {
   if (om > m || (om == m && oi < mi)) { m = om; mi = oi; }
 }
 
+// A logit as f32 (bf16 widened exactly).
+__device__ __forceinline__ float lg(const float* x, int i) { return x[i]; }
+__device__ __forceinline__ float lg(const unsigned short* x, int i) {
+  return __uint_as_float(((unsigned)x[i]) << 16);
+}
+
 __device__ __forceinline__ double warp_sum_f64(double x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL, x, o);
   return x;
 }
 
-extern "C" __global__ void art_sample_max(const float* logits, float* cmax, int* cidx, int V,
-                                          int chunks) {
+template <typename T>
+__device__ void sample_max(const T* logits, float* cmax, int* cidx, int V, int chunks) {
   __shared__ float sm[32];
   __shared__ int si[32];
   const int c = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* x = logits + (unsigned long long)b * V;
+  const T* x = logits + (unsigned long long)b * V;
   const int i0 = c * CHUNK, i1 = min(V, i0 + CHUNK);
   float m = NEG_INF;
   int mi = 0x7fffffff;
-  for (int i = i0 + tid; i < i1; i += blockDim.x) better(m, mi, x[i], i);
+  for (int i = i0 + tid; i < i1; i += blockDim.x) better(m, mi, lg(x, i), i);
   for (int o = 16; o > 0; o >>= 1)
     better(m, mi, __shfl_xor_sync(FULL, m, o), __shfl_xor_sync(FULL, mi, o));
   if (lane == 0) { sm[warp] = m; si[warp] = mi; }
@@ -295,16 +328,17 @@ __device__ __forceinline__ float row_max(const float* cmax, int b, int chunks) {
   return m;
 }
 
-extern "C" __global__ void art_sample_sum(const float* logits, const double* params,
-                                          const float* cmax, double* csum, int V, int chunks) {
+template <typename T>
+__device__ void sample_sum(const T* logits, const double* params, const float* cmax, double* csum,
+                           int V, int chunks) {
   __shared__ double ss[32];
   const int c = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const float* x = logits + (unsigned long long)b * V;
+  const T* x = logits + (unsigned long long)b * V;
   const float inv_t = (float)params[3 * b + 1];
   const float m = row_max(cmax, b, chunks);
   const int i0 = c * CHUNK, i1 = min(V, i0 + CHUNK);
   double acc = 0.0;
-  for (int i = i0 + tid; i < i1; i += blockDim.x) acc += exp((double)((x[i] - m) * inv_t));
+  for (int i = i0 + tid; i < i1; i += blockDim.x) acc += exp((double)((lg(x, i) - m) * inv_t));
   acc = warp_sum_f64(acc);
   if (lane == 0) ss[warp] = acc;
   __syncthreads();
@@ -314,14 +348,14 @@ extern "C" __global__ void art_sample_sum(const float* logits, const double* par
   }
 }
 
-extern "C" __global__ void art_sample_pick(const float* logits, const double* params,
-                                           const float* cmax, const int* cidx,
-                                           const double* csum, double* out, int V, int chunks) {
+template <typename T>
+__device__ void sample_pick(const T* logits, const double* params, const float* cmax,
+                            const int* cidx, const double* csum, double* out, int V, int chunks) {
   __shared__ double seg_sum[32];
   __shared__ int chosen;
   const int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nw = blockDim.x >> 5;
-  const float* x = logits + (unsigned long long)b * V;
+  const T* x = logits + (unsigned long long)b * V;
   const double u = params[3 * b];
   const float inv_t = (float)params[3 * b + 1];
   const bool greedy = params[3 * b + 2] != 0.0;
@@ -349,7 +383,7 @@ extern "C" __global__ void art_sample_pick(const float* logits, const double* pa
     const int seg = (i1 - i0 + nw - 1) / nw;
     const int s0 = min(i1, i0 + warp * seg), s1 = min(i1, s0 + seg);
     double acc = 0.0;
-    for (int i = s0 + lane; i < s1; i += 32) acc += exp((double)((x[i] - m) * inv_t));
+    for (int i = s0 + lane; i < s1; i += 32) acc += exp((double)((lg(x, i) - m) * inv_t));
     acc = warp_sum_f64(acc);
     if (lane == 0) seg_sum[warp] = acc;
     __syncthreads();
@@ -363,7 +397,7 @@ extern "C" __global__ void art_sample_pick(const float* logits, const double* pa
       int last = -1, found = -1;
       for (int base = s0; base < s1; base += 32) {
         int i = base + lane;
-        double wt = i < s1 ? exp((double)((x[i] - m) * inv_t)) : 0.0;
+        double wt = i < s1 ? exp((double)((lg(x, i) - m) * inv_t)) : 0.0;
         double s = wt;
         for (int o = 1; o < 32; o <<= 1) {
           double t = __shfl_up_sync(FULL, s, o);
@@ -384,9 +418,27 @@ extern "C" __global__ void art_sample_pick(const float* logits, const double* pa
     out[4 * b] = (double)chosen;
     out[4 * b + 1] = (double)m;
     out[4 * b + 2] = total;
-    out[4 * b + 3] = (double)x[chosen];
+    out[4 * b + 3] = (double)lg(x, chosen);
   }
 }
+
+#define SAMPLE_EXPORTS(suffix, T)                                                              \
+  extern "C" __global__ void art_sample_max_##suffix(const T* logits, float* cmax, int* cidx,  \
+                                                     int V, int chunks) {                      \
+    sample_max<T>(logits, cmax, cidx, V, chunks);                                              \
+  }                                                                                            \
+  extern "C" __global__ void art_sample_sum_##suffix(const T* logits, const double* params,    \
+                                                     const float* cmax, double* csum, int V,   \
+                                                     int chunks) {                             \
+    sample_sum<T>(logits, params, cmax, csum, V, chunks);                                      \
+  }                                                                                            \
+  extern "C" __global__ void art_sample_pick_##suffix(                                         \
+      const T* logits, const double* params, const float* cmax, const int* cidx,               \
+      const double* csum, double* out, int V, int chunks) {                                    \
+    sample_pick<T>(logits, params, cmax, cidx, csum, out, V, chunks);                          \
+  }
+SAMPLE_EXPORTS(f32, float)
+SAMPLE_EXPORTS(bf16, unsigned short)
 "#;
 
 /// The kernel's PTX, compiled once per process.

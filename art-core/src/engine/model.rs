@@ -716,7 +716,9 @@ impl Model {
             None
         };
         if let Some(plan) = plan {
-            let logits = self.decode_step(input_ids, &plan, &fwd)?;
+            let logits = self
+                .decode_step(input_ids, &plan, &fwd)?
+                .to_dtype(DType::F32)?;
             for cache in caches.iter_mut() {
                 cache.len += 1;
             }

@@ -23,7 +23,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 
 use super::constraint::{CompiledConstraint, Guide};
@@ -1090,11 +1090,14 @@ impl<'e> Scheduler<'e> {
             let mut rows: Vec<Vec<f32>> = if host.is_empty() {
                 Vec::new()
             } else if host.len() == members.len() {
-                logits.to_vec2()?
+                logits.to_dtype(DType::F32)?.to_vec2()?
             } else {
                 let picked: Vec<u32> = host.iter().map(|&r| r as u32).collect();
                 let picked = Tensor::new(picked.as_slice(), model.device())?;
-                logits.index_select(&picked, 0)?.to_vec2()?
+                logits
+                    .index_select(&picked, 0)?
+                    .to_dtype(DType::F32)?
+                    .to_vec2()?
             };
             if let Some(p) = &mut self.profile {
                 p.to_host += p.lap();

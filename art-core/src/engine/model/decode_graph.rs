@@ -135,7 +135,8 @@ fn enabled() -> bool {
 
 impl Model {
     /// [`Model::forward_cached`] for one new token per sequence (`inputs[b]` continues
-    /// `caches[b]`), replayed from a CUDA graph: logits `[B, 1, vocab]` (f32), the caches
+    /// `caches[b]`), replayed from a CUDA graph: logits `[B, 1, vocab]` (in the model's dtype:
+    /// bf16 on the GPU, which the sampling kernels read as it is), the caches
     /// advanced. `Ok(None)` where graphs do not apply; the caller then runs the ordinary path,
     /// which computes the same. `gate` is the engine's device gate, taken exclusively to capture.
     pub fn forward_decode_graph(

@@ -36,7 +36,7 @@ impl Model {
         Ok(self.decode_rope.get_or_init(|| tables))
     }
 
-    /// Logits `[B, 1, vocab]` (f32) of one token per sequence: `ids` `[B, 1]` (u32, checked by
+    /// Logits `[B, 1, vocab]` (in the model's dtype) of one token per sequence: `ids` `[B, 1]` (u32, checked by
     /// the caller), the sequences' positions and caches in `plan`, whose caches receive the new
     /// keys and values. No host copy and no synchronisation anywhere.
     pub(super) fn decode_step(
@@ -49,7 +49,9 @@ impl Model {
         let x = self.embed(ids)?;
         if self.config.qk_norm || !cuda_decode::attend_cached_takes(self.config.head_dim) {
             let x = self.decode_layers_composite(x, rope, plan, fwd)?;
-            self.head(&x, fwd)
+            Ok(self
+                .lm_head
+                .forward(&self.norm.forward(&x)?, fwd.quantized, None, 0.0)?)
         } else {
             self.decode_layers_fused(x, rope, plan, fwd)
         }
@@ -136,8 +138,7 @@ impl Model {
                 .map_or(&self.norm, |l| &l.input_layernorm);
             (x, h) = cuda_decode::add_rms_norm(&mid, &down, &next.weight, next.eps)?;
         }
-        let logits = self.lm_head.forward(&h, fwd.quantized, None, 0.0)?;
-        Ok(logits.to_dtype(DType::F32)?)
+        self.lm_head.forward(&h, fwd.quantized, None, 0.0)
     }
 
     /// The composite layers, the rotary tables of the step gathered on the device.
