@@ -377,8 +377,8 @@ fn lora_down(x: &Tensor, pairs: &[Option<LoraF32>], scale: f64) -> Result<LoraDo
 }
 
 /// Attention of each row's query (`[B, H, hd]`, rotated and scaled) over its cache, the new
-/// token already written: `[B, H * hd]`. Split along the cache in [`attention_splits`] parts
-/// (one block each per head and row), then combined; one kernel when one part fills the card.
+/// token already written: `[B, H * hd]`. Split along the cache in [`SPLITS`] parts (one block
+/// each per head and row), then combined: two kernels.
 pub(crate) fn attend_cached(
     plan: &DecodePlan,
     layer: usize,
@@ -394,39 +394,23 @@ pub(crate) fn attend_cached(
     }
     let q = q.contiguous()?;
     let addresses = [device_address(&q)?, device_address(&plan.table)?];
-    let splits = attention_splits(b, heads);
-    let mut ints = plan
-        .kernel_ints(layer, (heads, kv_heads, head_dim))?
-        .to_vec();
-    ints.push(int(splits)?);
-    let launch = |kernel, out_shape: candle_core::Shape, out_f32| RawLaunch {
-        kernel,
+    let ints = plan.kernel_ints(layer, (heads, kv_heads, head_dim))?;
+    let parts = q.apply_op1_no_bwd(&RawLaunch {
+        kernel: "attend_split",
         addresses: &addresses,
         ints: &ints,
         float: 0.0,
-        out_shape,
-        out_f32,
-        grid: (heads as u32, b as u32, splits as u32),
+        out_shape: (b, heads, SPLITS, head_dim + 2).into(),
+        out_f32: true,
+        grid: (heads as u32, b as u32, SPLITS as u32),
         threads: SPLIT_THREADS,
         shared_bytes: 0,
-    };
-    if splits == 1 {
-        return Ok(q.apply_op1_no_bwd(&launch(
-            "attend_one",
-            (b, heads * head_dim).into(),
-            false,
-        ))?);
-    }
-    let parts = q.apply_op1_no_bwd(&launch(
-        "attend_split",
-        (b, heads, splits, head_dim + 2).into(),
-        true,
-    ))?;
+    })?;
     let addresses = [device_address(&parts)?];
     Ok(q.apply_op1_no_bwd(&RawLaunch {
         kernel: "attend_combine",
         addresses: &addresses,
-        ints: &[int(heads)?, int(head_dim)?, int(splits)?],
+        ints: &[int(heads)?, int(head_dim)?],
         float: 0.0,
         out_shape: (b, heads * head_dim).into(),
         out_f32: false,
@@ -436,29 +420,13 @@ pub(crate) fn attend_cached(
     })?)
 }
 
-/// Parts each row's cache is split into for the decode attention of `batch` rows of `heads`
-/// query heads: enough blocks in all to fill the card ([`ATTENTION_BLOCKS`]), at most
-/// [`MAX_SPLITS`]. A function of the batch alone, so that a captured decode graph stays right as
-/// the caches grow (each part loops over as many positions as it gets).
-fn attention_splits(batch: usize, heads: usize) -> usize {
-    ATTENTION_BLOCKS
-        .div_ceil((batch * heads).max(1))
-        .clamp(1, MAX_SPLITS)
-}
-
 /// Whether [`attend_cached`] takes heads of `head_dim` (one thread per element).
 pub(crate) fn attend_cached_takes(head_dim: usize) -> bool {
     head_dim > 0 && head_dim <= SPLIT_THREADS as usize && head_dim.is_multiple_of(2)
 }
 
-/// The most parts a row's cache is split into for the decode attention (one block each per head
-/// and row).
-const MAX_SPLITS: usize = 16;
-/// Blocks the decode attention aims for: about four per multiprocessor of an H100 or H200 (132),
-/// so that one wave keeps them all busy. Batch 1 at 16 parts measured 1.65x one part (14 blocks
-/// kept 14 of 132 multiprocessors busy); batch 64 at 16 parts, 14,336 blocks of a few dozen
-/// positions each, spent 37 us a layer on synchronisation (2026-12-08, ncu).
-const ATTENTION_BLOCKS: usize = 512;
+/// Parts of the cache the decode attention splits each row's into (`SPLITS` in the kernels).
+const SPLITS: usize = 16;
 /// Threads per block of the split attention (`SPLIT_THREADS` in the kernels).
 const SPLIT_THREADS: u32 = 128;
 
@@ -966,106 +934,79 @@ __device__ void lora_down_impl(float* xa, const T* x, int M, int K, const float*
     for (int m = 0; m < M; ++m) xa[m * 3 * r + col] = acc[m];
 }
 
-// Attention of one token per sequence, flash-decoding style: block (h, b, c) takes the c-th of
-// `splits` equal parts of row b's cache for query head h, in tiles of SCORE_TILE positions with a
-// running maximum and weight sum. Each thread scores whole keys (16-byte loads where the rows are
-// aligned), so a tile's dot products run side by side instead of one warp-wide reduction after
-// another. With FINAL (one part per row) the block writes the normalised output ([B, H * hd], T);
-// otherwise its part's maximum score, weight sum and weighted value sum (f32,
-// [B, H, splits, hd + 2]) for the combine kernel. The host picks `splits` from the batch: enough
-// blocks to fill the card (16 parts at batch 1, one from a few dozen rows), each part as long as
-// it needs to be.
+// Attention of one token per sequence split along the cache (flash-decoding): block (h, b, c)
+// takes the c-th of SPLITS equal parts of row b's cache for query head h and writes its part's
+// maximum score, weight sum and weighted value sum (f32, [B, H, SPLITS, hd + 2]); the combine
+// kernel rescales and adds the parts. At batch 1 the single-block kernel kept 14 of 132 SMs busy.
+#define SPLITS 16
 #define SPLIT_THREADS 128
-#define SCORE_TILE 256
-template <typename T, bool FINAL>
-__device__ void attend_part_impl(float* part, T* out, const T* q, const long long* table,
-                                 int layer, int layers, int B, int H, int kv, int hd, int splits) {
+template <typename T>
+__device__ void attend_split_impl(float* part, const T* q, const long long* table, int layer,
+                                  int layers, int B, int H, int kv, int hd) {
   __shared__ float qs[256];
   __shared__ float red[32];
-  __shared__ float sc[SCORE_TILE];
+  __shared__ float sc[(11000 + SPLITS - 1) / SPLITS];
   __shared__ float acc_part[SPLIT_THREADS];
   int h = blockIdx.x, b = blockIdx.y, c = blockIdx.z;
   int tid = threadIdx.x, nt = blockDim.x;
   int kvh = h / (H / kv);
   long long cap = table[2 * layers * B + B + b];
   int len = (int)table[2 * layers * B + b] + 1;
-  int chunk = (len + splits - 1) / splits;
+  int chunk = (len + SPLITS - 1) / SPLITS;
   int t0 = min(len, c * chunk), t1 = min(len, t0 + chunk);
   const T* kb = (const T*)table[(2 * layer) * B + b] + (size_t)kvh * cap * hd;
   const T* vb = (const T*)table[(2 * layer + 1) * B + b] + (size_t)kvh * cap * hd;
   const T* qp = q + ((size_t)b * H + h) * hd;
   for (int d = tid; d < hd; d += nt) qs[d] = ld(qp + d);
   __syncthreads();
-  const int V = 16 / sizeof(T);
-  bool vec = hd % 8 == 0 && ((size_t)kb & 15) == 0;
-  int groups = nt / hd, g = tid / hd, d = tid % hd;
-  float m_run = __int_as_float(0xff800000), l_run = 0.f, acc = 0.f;
-  for (int s0 = t0; s0 < t1; s0 += SCORE_TILE) {
-    int n = min(t1 - s0, SCORE_TILE);
-    for (int i = tid; i < n; i += nt) {
-      const T* kr = kb + (size_t)(s0 + i) * hd;
-      float s = 0.f;
-      if (vec) {
-        for (int e = 0; e < hd; e += V) {
-          float f[8];
-          load16(kr + e, f);
-#pragma unroll
-          for (int j = 0; j < V; ++j) s += qs[e + j] * f[j];
-        }
-      } else {
-        for (int e = 0; e < hd; ++e) s += qs[e] * ld(kr + e);
-      }
-      sc[i] = s;
-    }
-    __syncthreads();
-    float m = __int_as_float(0xff800000);
-    for (int i = tid; i < n; i += nt) m = fmaxf(m, sc[i]);
-    m = fmaxf(block_max(m, red), m_run);
-    float sum = 0.f;
-    for (int i = tid; i < n; i += nt) {
-      float e = __expf(sc[i] - m);
-      sc[i] = e;
-      sum += e;
-    }
-    sum = block_sum(sum, red);  // its barriers also publish the weights in sc
-    float rescale = __expf(m_run - m);  // 0 on the first tile
-    l_run = l_run * rescale + sum;
-    acc *= rescale;
-    if (g < groups) {
-#pragma unroll 4
-      for (int i = g; i < n; i += groups) acc += sc[i] * ld(vb + (size_t)(s0 + i) * hd + d);
-    }
-    m_run = m;
-    __syncthreads();  // the next tile overwrites sc
+  int warp = tid / 32, lane = tid % 32, nw = nt / 32;
+  for (int t = t0 + warp; t < t1; t += nw) {
+    const T* kr = kb + (size_t)t * hd;
+    float s = 0.f;
+    for (int d = lane; d < hd; d += 32) s += qs[d] * ld(kr + d);
+    s = warp_sum(s);
+    if (lane == 0) sc[t - t0] = s;
   }
+  __syncthreads();
+  float m = __int_as_float(0xff800000);
+  for (int t = tid; t < t1 - t0; t += nt) m = fmaxf(m, sc[t]);
+  m = block_max(m, red);
+  float sum = 0.f;
+  for (int t = tid; t < t1 - t0; t += nt) {
+    float e = t1 > t0 ? __expf(sc[t] - m) : 0.f;
+    sc[t] = e;
+    sum += e;
+  }
+  sum = block_sum(sum, red);
+  __syncthreads();
+  int groups = nt / hd, g = tid / hd, d = tid % hd;
+  float acc = 0.f;
+  if (g < groups)
+    for (int t = t0 + g; t < t1; t += groups) acc += sc[t - t0] * ld(vb + (size_t)t * hd + d);
   acc_part[tid] = acc;
   __syncthreads();
+  float* out = part + (((size_t)b * H + h) * SPLITS + c) * (hd + 2);
   for (int e = tid; e < hd; e += nt) {
     float a = 0.f;
     for (int i = 0; i < groups; ++i) a += acc_part[i * hd + e];
-    if (FINAL) {
-      st(out + ((size_t)b * H + h) * hd + e, a / l_run);
-    } else {
-      part[(((size_t)b * H + h) * splits + c) * (hd + 2) + e] = a;
-    }
+    out[e] = a;
   }
-  if (!FINAL && tid == 0) {
-    float* o = part + (((size_t)b * H + h) * splits + c) * (hd + 2);
-    o[hd] = m_run;
-    o[hd + 1] = l_run;
+  if (tid == 0) {
+    out[hd] = m;
+    out[hd + 1] = sum;
   }
 }
 
 // out [B, H, hd] from the parts: grid (H, B), hd threads.
 template <typename T>
-__device__ void attend_combine_impl(T* out, const float* part, int H, int hd, int splits) {
+__device__ void attend_combine_impl(T* out, const float* part, int H, int hd) {
   int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
-  const float* p = part + ((size_t)b * H + h) * splits * (hd + 2);
+  const float* p = part + ((size_t)b * H + h) * SPLITS * (hd + 2);
   float m = __int_as_float(0xff800000);
-  for (int c = 0; c < splits; ++c)
+  for (int c = 0; c < SPLITS; ++c)
     if (p[c * (hd + 2) + hd + 1] > 0.f) m = fmaxf(m, p[c * (hd + 2) + hd]);
   float l = 0.f, a = 0.f;
-  for (int c = 0; c < splits; ++c) {
+  for (int c = 0; c < SPLITS; ++c) {
     const float* q = p + c * (hd + 2);
     if (q[hd + 1] > 0.f) {
       float w = __expf(q[hd] - m);
@@ -1114,19 +1055,12 @@ __device__ void attend_combine_impl(T* out, const float* part, int H, int hd, in
   }                                                                                            \
   extern "C" __global__ void art_attend_split_##suffix(                                        \
       float* out, unsigned long long q, unsigned long long table, int layer, int layers,       \
-      int B, int H, int kv, int hd, int splits, float unused) {                                \
-    attend_part_impl<T, false>(out, nullptr, PTR(T, q), (const long long*)table, layer,        \
-                               layers, B, H, kv, hd, splits);                                  \
-  }                                                                                            \
-  extern "C" __global__ void art_attend_one_##suffix(                                          \
-      T* out, unsigned long long q, unsigned long long table, int layer, int layers, int B,    \
-      int H, int kv, int hd, int splits, float unused) {                                       \
-    attend_part_impl<T, true>(nullptr, out, PTR(T, q), (const long long*)table, layer, layers, \
-                              B, H, kv, hd, splits);                                           \
+      int B, int H, int kv, int hd, float unused) {                                            \
+    attend_split_impl<T>(out, PTR(T, q), (const long long*)table, layer, layers, B, H, kv, hd); \
   }                                                                                            \
   extern "C" __global__ void art_attend_combine_##suffix(                                      \
-      T* out, unsigned long long part, int H, int hd, int splits, float unused) {              \
-    attend_combine_impl<T>(out, PTR(float, part), H, hd, splits);                              \
+      T* out, unsigned long long part, int H, int hd, float unused) {                          \
+    attend_combine_impl<T>(out, PTR(float, part), H, hd);                                      \
   }
 DECODE_EXPORTS(bf16, bf16_t)
 DECODE_EXPORTS(f32, float)
