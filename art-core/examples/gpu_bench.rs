@@ -945,19 +945,7 @@ fn parity(device: &Device) {
         let fwd = Forward::default();
         let ref_logits = cpu.model().forward_full(&input(&Device::Cpu), fwd).unwrap();
         let prompt: Vec<u32> = tokens[..20].to_vec();
-        let greedy = |e: &Engine| {
-            let reqs = (0..3)
-                .map(|i| GenerationRequest {
-                    prompt: prompt[..20 - 3 * i].to_vec(),
-                    params: SamplingParams {
-                        ignore_eos: true,
-                        ..SamplingParams::greedy(24)
-                    },
-                    adapter: None,
-                })
-                .collect();
-            e.generate(reqs).unwrap()
-        };
+        let greedy = |e: &Engine| greedy_outputs(e, (0..3).map(|i| prompt[..20 - 3 * i].to_vec()));
         let ref_out = greedy(&cpu);
         for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 5e-2)] {
             let gpu = Engine::from_loaded(spec.load(weights.clone(), device, dtype).unwrap());
@@ -1531,20 +1519,7 @@ fn decode_attention_parity(device: &Device) -> usize {
             .map(|i| (0..40 + 5 * i).map(|_| ids.next(spec.vocab_size)).collect())
             .collect();
         for batch in [1, 8, 64] {
-            let greedy = |e: &Engine| {
-                let reqs = prompts[..batch]
-                    .iter()
-                    .map(|p| GenerationRequest {
-                        prompt: p.clone(),
-                        params: SamplingParams {
-                            ignore_eos: true,
-                            ..SamplingParams::greedy(24)
-                        },
-                        adapter: None,
-                    })
-                    .collect();
-                e.generate(reqs).unwrap()
-            };
+            let greedy = |e: &Engine| greedy_outputs(e, prompts[..batch].iter().cloned());
             let (same, total, worst) = agreement(&greedy(&gpu), &greedy(&cpu));
             let ok = same == total && worst < 1e-3;
             println!(
@@ -1556,6 +1531,24 @@ fn decode_attention_parity(device: &Device) -> usize {
         }
     }
     failures
+}
+
+/// 24 greedy tokens (EOS ignored) after each of `prompts`, all generated at once on `engine`.
+fn greedy_outputs(
+    engine: &Engine,
+    prompts: impl Iterator<Item = Vec<u32>>,
+) -> Vec<GenerationOutput> {
+    let requests = prompts
+        .map(|prompt| GenerationRequest {
+            prompt,
+            params: SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(24)
+            },
+            adapter: None,
+        })
+        .collect();
+    engine.generate(requests).unwrap()
 }
 
 fn agreement(a: &[GenerationOutput], b: &[GenerationOutput]) -> (usize, usize, f64) {

@@ -129,17 +129,22 @@ async fn n_logprobs_and_seeds() {
     assert_ne!(ids(&other), ids(&body), "another seed, another answer");
 }
 
-/// Reads a server-sent event stream into its JSON chunks (and checks it ends with [DONE]).
-async fn stream_chunks(server: &TestServer, body: Value) -> Vec<Value> {
-    let text = reqwest::Client::new()
-        .post(format!("{}/chat/completions", server.base_url))
-        .json(&body)
+/// The whole body of the answer to `body` posted to `url` (a stream read to its end).
+async fn post_for_text(url: String, body: &Value) -> String {
+    reqwest::Client::new()
+        .post(url)
+        .json(body)
         .send()
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Reads a server-sent event stream into its JSON chunks (and checks it ends with [DONE]).
+async fn stream_chunks(server: &TestServer, body: Value) -> Vec<Value> {
+    let text = post_for_text(format!("{}/chat/completions", server.base_url), &body).await;
     let data: Vec<&str> = text
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
@@ -508,15 +513,11 @@ async fn register(server: &TestServer, name: &str) {
 /// One training step of `name` on `body` (its trajectory groups and config): the `result` event
 /// of the streamed answer.
 async fn train(server: &TestServer, name: &str, body: Value) -> Value {
-    let answer = reqwest::Client::new()
-        .post(format!("{}/art/models/{name}/train", server.base_url))
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let answer = post_for_text(
+        format!("{}/art/models/{name}/train", server.base_url),
+        &body,
+    )
+    .await;
     answer
         .lines()
         .map(|line| serde_json::from_str::<Value>(line).unwrap())
