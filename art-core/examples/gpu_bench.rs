@@ -1492,8 +1492,6 @@ fn nccl(args: &Args, device: &Device) {
     );
 }
 
-/// How far two runs of the same requests agree: tokens equal before each request's first
-/// difference, tokens compared, and the largest logprob difference on the equal ones.
 /// The decode attention kernel against the CPU, in f32: heads of 64 and of 128 dimensions
 /// (Qwen2.5 0.5B's and 1.5B's), 1, 8 and 64 rows at once (a kernel that splits each row's cache
 /// by the batch takes every path), over caches of 40 to 379 positions. The failures.
@@ -1551,6 +1549,8 @@ fn greedy_outputs(
     engine.generate(requests).unwrap()
 }
 
+/// How far two runs of the same requests agree: tokens equal before each request's first
+/// difference, tokens compared, and the largest logprob difference on the equal ones.
 fn agreement(a: &[GenerationOutput], b: &[GenerationOutput]) -> (usize, usize, f64) {
     let (mut same, mut total, mut worst) = (0, 0, 0f64);
     for (a, b) in a.iter().zip(b) {
